@@ -1,0 +1,1 @@
+"""Benchmarks: the broker against a raw ZeroMQ echo and the in-process engine limit, in one run."""

@@ -1,0 +1,145 @@
+"""The TOML configuration: typed sections, validated once; an error names the key and what was expected."""
+
+from __future__ import annotations
+
+import grp
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+Ms = Annotated[int, Meta(ge=1, le=3_600_000)]
+
+
+class ConfigError(ValueError):
+    """The configuration is not valid; the message names the key."""
+
+
+class BrokerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    runtime_dir: str = ""  # SHMBROKER_RUNTIME_DIR, then this, then /run/shmbroker, then a per-user dir
+    group: str = ""  # when set, segments and sockets are 0660 and owned by this group
+    handshake_timeout_ms: Ms = 5000
+    worker_start_timeout_ms: Ms = 120_000
+    restart_backoff_ms: Annotated[int, Meta(ge=0, le=60_000)] = 200
+    session_check_ms: Ms = 1000
+    worker_mode: Literal["process", "thread"] = "process"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class SessionsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    default_slots: Annotated[int, Meta(ge=1, le=4096)] = 16
+    max_slots: Annotated[int, Meta(ge=1, le=4096)] = 1024
+    default_max_items: Annotated[int, Meta(ge=1, le=4096)] = 1
+    max_session_mib: Annotated[int, Meta(ge=1, le=1 << 20)] = 4096
+
+
+class WorkerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    devices: list[int | str] = msgspec.field(default_factory=lambda: ["cpu"])
+
+
+class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    path: str
+    engine: Literal["onnxruntime", "torch", "tensorrt"] = "onnxruntime"
+    max_batch: Annotated[int, Meta(ge=1, le=4096)] = 8
+    max_queue_delay_us: Annotated[int, Meta(ge=0, le=10_000_000)] = 1000
+    preferred_batch_sizes: list[Annotated[int, Meta(ge=1, le=4096)]] = msgspec.field(default_factory=list)
+    max_queue_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 256
+    timeout_ms: Ms = 500
+    intra_op_threads: Annotated[int, Meta(ge=0, le=256)] = 0
+    warmup: bool = True
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    broker: BrokerSection = msgspec.field(default_factory=BrokerSection)
+    sessions: SessionsSection = msgspec.field(default_factory=SessionsSection)
+    worker: WorkerSection = msgspec.field(default_factory=WorkerSection)
+    models: dict[str, ModelSection] = msgspec.field(default_factory=dict)
+    source: str = ""  # the file it came from; model paths are relative to its folder
+
+    def model_path(self, name: str) -> str:
+        """A model's path, resolved against the config file's folder (``pkg:`` and ``builtin:`` kept)."""
+        raw = self.models[name].path
+        if raw.startswith(("pkg:", "builtin:")) or os.path.isabs(raw):
+            return raw
+        base = Path(self.source).parent if self.source else Path.cwd()
+        return str((base / raw).resolve())
+
+    def group_id(self) -> int | None:
+        if not self.broker.group:
+            return None
+        return grp.getgrnam(self.broker.group).gr_gid
+
+    @property
+    def file_mode(self) -> int:
+        return 0o660 if self.broker.group else 0o600
+
+
+def _pretty(err: str) -> str:
+    # msgspec says "... - at `$.models.nsfw.max_batch`"; users write keys as dotted TOML paths
+    m = re.search(r"^(.*) - at `\$\.?(.*)`$", err)
+    if not m:
+        return err
+    what, where = m.groups()
+    where = re.sub(r"\[(\d+)\]", r"[\1]", where)
+    return f"key '{where}': {what}" if where else what
+
+
+def parse(data: dict[str, object], source: str = "<dict>") -> Config:
+    """Validate a parsed TOML document; raise ConfigError naming the key and the expectation."""
+    try:
+        cfg = msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_pretty(str(exc))}") from None
+    cfg.source = source if source != "<dict>" else ""
+    _check(cfg, source)
+    return cfg
+
+
+def _check(cfg: Config, source: str) -> None:
+    if not cfg.models:
+        raise ConfigError(f"{source}: key 'models': expected at least one [models.NAME] table")
+    for name, m in cfg.models.items():
+        if not _NAME.match(name):
+            raise ConfigError(f"{source}: key 'models.{name}': a model name is 1-64 of [A-Za-z0-9_.-]")
+        too_big = [b for b in m.preferred_batch_sizes if b > m.max_batch]
+        if too_big:
+            raise ConfigError(
+                f"{source}: key 'models.{name}.preferred_batch_sizes': {too_big} exceed max_batch {m.max_batch}"
+            )
+    if not cfg.worker.devices:
+        raise ConfigError(f"{source}: key 'worker.devices': expected at least one device")
+    for i, dev in enumerate(cfg.worker.devices):
+        if not (dev == "cpu" or (isinstance(dev, int) and not isinstance(dev, bool) and dev >= 0)):
+            raise ConfigError(f"{source}: key 'worker.devices[{i}]': expected \"cpu\" or a GPU index >= 0, got {dev!r}")
+    if cfg.sessions.default_slots > cfg.sessions.max_slots:
+        raise ConfigError(f"{source}: key 'sessions.default_slots': must not exceed sessions.max_slots")
+    if cfg.broker.group:
+        try:
+            grp.getgrnam(cfg.broker.group)
+        except KeyError:
+            raise ConfigError(f"{source}: key 'broker.group': no group named {cfg.broker.group!r}") from None
+
+
+def load(path: str | os.PathLike[str] | None = None) -> Config:
+    """Read and validate a TOML file (the default config when ``path`` is None)."""
+    p = Path(path) if path is not None else DEFAULT_CONFIG
+    try:
+        with open(p, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    return parse(data, str(p.resolve()))
+
+
+def to_dict(cfg: Config) -> dict[str, object]:
+    out: dict[str, object] = msgspec.to_builtins(cfg)
+    return out

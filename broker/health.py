@@ -1,0 +1,23 @@
+"""Readiness: a model is ready when at least one worker that serves it passed its warm-up."""
+
+from __future__ import annotations
+
+from broker import protocol as P
+from broker.config import Config
+from broker.supervisor import Supervisor, WorkerPhase
+
+
+def health_reply(cfg: Config, sup: Supervisor) -> P.HealthReply:
+    models = []
+    for name in cfg.models:
+        total = len(sup.workers)
+        ready = sum(1 for w in sup.workers if w.phase is WorkerPhase.READY and any(m.name == name for m in w.models))
+        reasons = sorted({w.reason for w in sup.workers if w.reason and w.phase is not WorkerPhase.READY})
+        models.append(P.ModelHealth(name, ready > 0, ready, total, "; ".join(reasons)))
+    not_ready = [m for m in models if not m.ready]
+    reason = ""
+    if not_ready:
+        phases = ", ".join(f"worker {w.worker_id} {w.phase.name.lower()}" for w in sup.workers)
+        why = next((m.reason for m in not_ready if m.reason), "")
+        reason = f"models not ready: {', '.join(m.name for m in not_ready)} ({phases}){': ' + why if why else ''}"
+    return P.HealthReply(not not_ready, models, reason)

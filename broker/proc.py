@@ -1,0 +1,52 @@
+"""Process plumbing for entry points: logging, process names, parent-death signal, stop signals."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+
+PR_SET_NAME = 15
+PR_SET_PDEATHSIG = 1
+LOG_FORMAT = "%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """Configure the root logger; called by entry points only, never at import."""
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+def _prctl(option: int, arg: int | bytes) -> None:
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    libc.prctl(option, arg, 0, 0, 0)
+
+
+def name_process(name: str) -> None:
+    """Name this process (``ps -o comm``, ``top``) and its logging processName."""
+    import multiprocessing
+
+    multiprocessing.current_process().name = name
+    _prctl(PR_SET_NAME, name.encode()[:15])
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies."""
+    _prctl(PR_SET_PDEATHSIG, int(sig))
+
+
+def stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT set ``stop``: the serving loop notices and shuts down cleanly."""
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        logging.getLogger(__name__).info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

@@ -1,0 +1,536 @@
+"""Every ZeroMQ message of shmbroker, in one module that the broker, the workers and the clients import.
+
+A message is two frames: frame 0 is the 4-byte envelope ``<u16 version, u16 kind>``, frame 1 the body.
+Control messages (handshake, supervision, health) carry a JSON body decoded into a typed ``msgspec.Struct``;
+the data plane (``SUBMIT``, ``DONE``) carries fixed-size little-endian binary records. Payload bytes never
+travel here: only slot descriptors do. docs/PROTOCOL.md describes the same bytes for C programmers.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_DIMS = 8
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this module's format; the text names the part that is wrong."""
+
+
+class MsgKind(enum.IntEnum):
+    """The first frame's kind: what the body is and how to decode it."""
+
+    # client <-> broker (control socket)
+    HELLO = 1
+    SETUP = 2
+    ATTACHED = 3
+    READY = 4
+    BYE = 5
+    WORKER_DOWN = 6
+    WORKER_UP = 7
+    HEALTH = 8
+    HEALTH_REPLY = 9
+    STATS = 10
+    STATS_REPLY = 11
+    ERROR = 12
+    # worker <-> broker (workers socket)
+    WORKER_HELLO = 20
+    WORKER_READY = 21
+    WORKER_FAILED = 22
+    ATTACH = 23
+    ATTACH_OK = 24
+    DETACH = 25
+    DETACH_OK = 26
+    WORKER_STATS = 27
+    WORKER_STATS_REPLY = 28
+    SHUTDOWN = 29
+    # client <-> worker (data plane, binary bodies)
+    SUBMIT = 32
+    DONE = 33
+
+
+class Status(enum.IntEnum):
+    """Per-request result code, carried in DONE and in the slot header."""
+
+    OK = 0
+    TIMEOUT = 1
+    OVERLOADED = 2
+    BAD_INPUT = 3
+    UNKNOWN_MODEL = 4
+    BAD_DTYPE = 5
+    BAD_SHAPE = 6
+    BAD_SIZE = 7
+    BAD_SLOT = 8
+    STALE_GENERATION = 9
+    WORKER_DIED = 10
+    INTERNAL = 11
+    SHUTTING_DOWN = 12
+    BAD_SESSION = 13
+
+
+class DType(enum.IntEnum):
+    """Tensor element types on the wire; names follow the KServe v2 datatypes."""
+
+    FP32 = 1
+    FP16 = 2
+    FP64 = 3
+    INT8 = 4
+    UINT8 = 5
+    INT16 = 6
+    INT32 = 7
+    INT64 = 8
+    BOOL = 9
+    UINT16 = 10
+    UINT32 = 11
+    UINT64 = 12
+
+
+_NUMPY_OF: dict[DType, np.dtype[Any]] = {
+    DType.FP32: np.dtype("<f4"),
+    DType.FP16: np.dtype("<f2"),
+    DType.FP64: np.dtype("<f8"),
+    DType.INT8: np.dtype("i1"),
+    DType.UINT8: np.dtype("u1"),
+    DType.INT16: np.dtype("<i2"),
+    DType.INT32: np.dtype("<i4"),
+    DType.INT64: np.dtype("<i8"),
+    DType.BOOL: np.dtype("?"),
+    DType.UINT16: np.dtype("<u2"),
+    DType.UINT32: np.dtype("<u4"),
+    DType.UINT64: np.dtype("<u8"),
+}
+_DTYPE_OF: dict[np.dtype[Any], DType] = {v: k for k, v in _NUMPY_OF.items()}
+
+
+def numpy_dtype(code: DType) -> np.dtype[Any]:
+    return _NUMPY_OF[code]
+
+
+def dtype_code(dt: np.dtype[Any] | str) -> DType:
+    """The wire code of a numpy dtype; raises ProtocolError for a type the protocol does not carry."""
+    d = np.dtype(dt).newbyteorder("<") if np.dtype(dt).byteorder == ">" else np.dtype(dt)
+    code = _DTYPE_OF.get(d)
+    if code is None:
+        raise ProtocolError(f"dtype {np.dtype(dt).name} is not one the protocol carries")
+    return code
+
+
+def dtype_from_int(value: int) -> DType | None:
+    try:
+        return DType(value)
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Envelope
+# ---------------------------------------------------------------------------------------------------------
+ENVELOPE = struct.Struct("<HH")
+
+
+def envelope(kind: MsgKind) -> bytes:
+    return ENVELOPE.pack(PROTOCOL_VERSION, kind)
+
+
+def read_envelope(frames: list[bytes]) -> MsgKind:
+    """The kind of a two-frame message; ProtocolError names what is off (frame count, version, kind)."""
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames, got {len(frames)}")
+    head = frames[0]
+    if len(head) != ENVELOPE.size:
+        raise ProtocolError(f"frame 0 must be {ENVELOPE.size} bytes, got {len(head)}")
+    version, kind = ENVELOPE.unpack(head)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})")
+    try:
+        return MsgKind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {kind}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Control messages (JSON bodies)
+# ---------------------------------------------------------------------------------------------------------
+class TensorSpec(msgspec.Struct, frozen=True):
+    """A model input or output: ``shape[0] == -1`` is the batch dimension."""
+
+    name: str
+    dtype: str  # numpy name, e.g. "float32"
+    shape: list[int]
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    model_id: int
+    name: str
+    max_batch: int
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    timeout_ms: int
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    worker_id: int
+    device: str
+    endpoint: str  # where clients connect their SUBMIT socket
+    reply_endpoint: str  # where this session's DONE messages come from
+    models: list[str]
+
+
+class Hello(msgspec.Struct, frozen=True):
+    protocol: int
+    pid: int
+    slots: int = 0  # 0: the broker's default
+    max_items: int = 0  # items per request a slot holds; 0: the broker's default
+    name: str = ""
+
+
+class Setup(msgspec.Struct, frozen=True):
+    session_id: int
+    segment: str
+    segment_bytes: int
+    n_slots: int
+    slot_stride: int
+    in_capacity: int
+    out_capacity: int
+    max_items: int
+    models: list[ModelInfo]
+    handshake_timeout_ms: int
+
+
+class Attached(msgspec.Struct, frozen=True):
+    session_id: int
+
+
+class Ready(msgspec.Struct, frozen=True):
+    session_id: int
+    token: int
+    workers: list[WorkerInfo]
+
+
+class Bye(msgspec.Struct, frozen=True):
+    session_id: int
+
+
+class WorkerDown(msgspec.Struct, frozen=True):
+    worker_id: int
+    reason: str
+
+
+class WorkerUp(msgspec.Struct, frozen=True):
+    worker: WorkerInfo
+
+
+class Health(msgspec.Struct, frozen=True):
+    wait_ms: int = 0  # 0: answer now; otherwise answer once ready or after wait_ms
+
+
+class ModelHealth(msgspec.Struct, frozen=True):
+    name: str
+    ready: bool
+    workers_ready: int
+    workers_total: int
+    reason: str = ""
+
+
+class HealthReply(msgspec.Struct, frozen=True):
+    ready: bool
+    models: list[ModelHealth]
+    reason: str = ""
+
+
+class StatsRequest(msgspec.Struct, frozen=True):
+    pass
+
+
+class ModelStats(msgspec.Struct):
+    name: str
+    requests: dict[str, int]  # by Status name
+    batches: int
+    batch_items: dict[str, int]  # batch size (items) -> count of batches
+    queue_depth: int
+
+
+class WorkerStats(msgspec.Struct):
+    worker_id: int
+    pid: int
+    restarts: int
+    models: list[ModelStats]
+
+
+class StatsReply(msgspec.Struct, frozen=True):
+    workers: list[WorkerStats]
+
+
+class ErrorReply(msgspec.Struct, frozen=True):
+    code: str
+    message: str
+
+
+class WorkerHello(msgspec.Struct, frozen=True):
+    protocol: int
+    worker_id: int
+    pid: int
+
+
+class WorkerReady(msgspec.Struct, frozen=True):
+    worker_id: int
+    endpoint: str
+    models: list[ModelInfo]
+
+
+class WorkerFailed(msgspec.Struct, frozen=True):
+    worker_id: int
+    reason: str
+
+
+class Attach(msgspec.Struct, frozen=True):
+    session_id: int
+    token: int
+    segment: str
+    segment_bytes: int
+    n_slots: int
+    slot_stride: int
+    in_capacity: int
+    out_capacity: int
+    max_items: int
+
+
+class AttachOk(msgspec.Struct, frozen=True):
+    session_id: int
+    reply_endpoint: str
+
+
+class Detach(msgspec.Struct, frozen=True):
+    session_id: int
+
+
+class DetachOk(msgspec.Struct, frozen=True):
+    session_id: int
+
+
+class WorkerStatsRequest(msgspec.Struct, frozen=True):
+    request_id: int
+
+
+class WorkerStatsReply(msgspec.Struct, frozen=True):
+    request_id: int
+    stats: WorkerStats
+
+
+class Shutdown(msgspec.Struct, frozen=True):
+    pass
+
+
+CONTROL_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
+    MsgKind.HELLO: Hello,
+    MsgKind.SETUP: Setup,
+    MsgKind.ATTACHED: Attached,
+    MsgKind.READY: Ready,
+    MsgKind.BYE: Bye,
+    MsgKind.WORKER_DOWN: WorkerDown,
+    MsgKind.WORKER_UP: WorkerUp,
+    MsgKind.HEALTH: Health,
+    MsgKind.HEALTH_REPLY: HealthReply,
+    MsgKind.STATS: StatsRequest,
+    MsgKind.STATS_REPLY: StatsReply,
+    MsgKind.ERROR: ErrorReply,
+    MsgKind.WORKER_HELLO: WorkerHello,
+    MsgKind.WORKER_READY: WorkerReady,
+    MsgKind.WORKER_FAILED: WorkerFailed,
+    MsgKind.ATTACH: Attach,
+    MsgKind.ATTACH_OK: AttachOk,
+    MsgKind.DETACH: Detach,
+    MsgKind.DETACH_OK: DetachOk,
+    MsgKind.WORKER_STATS: WorkerStatsRequest,
+    MsgKind.WORKER_STATS_REPLY: WorkerStatsReply,
+    MsgKind.SHUTDOWN: Shutdown,
+}
+KIND_OF: dict[type[msgspec.Struct], MsgKind] = {v: k for k, v in CONTROL_TYPES.items()}
+_ENCODER = msgspec.json.Encoder()
+_DECODERS = {k: msgspec.json.Decoder(t) for k, t in CONTROL_TYPES.items()}
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+def encode(msg: msgspec.Struct) -> list[bytes]:
+    """The two frames of a control message."""
+    return [envelope(KIND_OF[type(msg)]), _ENCODER.encode(msg)]
+
+
+def decode(frames: list[bytes]) -> msgspec.Struct:
+    """Decode a control message into its typed struct; ProtocolError names the kind and the bad field."""
+    kind = read_envelope(frames)
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        raise ProtocolError(f"message kind {kind.name} is not a control message")
+    try:
+        result: msgspec.Struct = decoder.decode(frames[1])
+    except msgspec.DecodeError as exc:  # ValidationError is a subclass; its text names the field
+        raise ProtocolError(f"{kind.name}: {exc}") from None
+    return result
+
+
+def decode_as(frames: list[bytes], expected: type[T]) -> T:
+    """Decode and insist on one type (a handshake step that accepts only one answer)."""
+    msg = decode(frames)
+    if isinstance(msg, ErrorReply) and expected is not ErrorReply:
+        raise ProtocolError(f"peer answered {msg.code}: {msg.message}")
+    if not isinstance(msg, expected):
+        raise ProtocolError(f"expected {KIND_OF[expected].name}, got {KIND_OF[type(msg)].name}")
+    return msg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data plane (binary bodies)
+# ---------------------------------------------------------------------------------------------------------
+SUBMIT_HEADER = struct.Struct("<IIIIQ")  # session_id, n_requests, n_tensors, flags, token
+REQUEST = struct.Struct("<QIIIIII")  # request_id, slot, generation, model_id, first_tensor, n_tensors, timeout_us
+TENSOR = struct.Struct("<HBBIQQ8q")  # index, dtype, ndim, reserved, offset, nbytes, dims[8]
+DONE_HEADER = struct.Struct("<IIII")  # session_id, n_results, n_tensors, text_bytes
+RESULT = struct.Struct("<QIIIIIIII")  # request_id, slot, generation, status, first_tensor, n_tensors,
+# msg_offset, msg_len, reserved
+
+
+@dataclass(slots=True)
+class TensorDesc:
+    """Where one tensor lies in a slot: ``offset`` is relative to the slot's input (or output) region."""
+
+    index: int
+    dtype: int
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class SubmitRequest:
+    request_id: int
+    slot: int
+    generation: int
+    model_id: int
+    timeout_us: int
+    tensors: list[TensorDesc] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SubmitBatch:
+    session_id: int
+    token: int
+    requests: list[SubmitRequest]
+
+
+@dataclass(slots=True)
+class Result:
+    request_id: int
+    slot: int
+    generation: int
+    status: int
+    tensors: list[TensorDesc] = field(default_factory=list)
+    message: str = ""
+
+
+@dataclass(slots=True)
+class DoneBatch:
+    session_id: int
+    results: list[Result]
+
+
+def _pack_tensor(t: TensorDesc) -> bytes:
+    ndim = len(t.shape)
+    if ndim > MAX_DIMS:
+        raise ProtocolError(f"tensor {t.index} has {ndim} dimensions; the protocol carries at most {MAX_DIMS}")
+    dims = (*t.shape, *((0,) * (MAX_DIMS - ndim)))
+    return TENSOR.pack(t.index, t.dtype, ndim, 0, t.offset, t.nbytes, *dims)
+
+
+def _unpack_tensors(body: bytes | memoryview, start: int, count: int) -> list[TensorDesc]:
+    out = []
+    for index, dt, ndim, _r, offset, nbytes, *dims in TENSOR.iter_unpack(body[start : start + count * TENSOR.size]):
+        if ndim > MAX_DIMS:
+            raise ProtocolError(f"tensor descriptor ndim {ndim} exceeds {MAX_DIMS}")
+        out.append(TensorDesc(index, dt, offset, nbytes, tuple(dims[:ndim])))
+    return out
+
+
+def encode_submit(batch: SubmitBatch) -> list[bytes]:
+    parts = []
+    tensors: list[bytes] = []
+    for r in batch.requests:
+        parts.append(
+            REQUEST.pack(r.request_id, r.slot, r.generation, r.model_id, len(tensors), len(r.tensors), r.timeout_us)
+        )
+        tensors.extend(_pack_tensor(t) for t in r.tensors)
+    head = SUBMIT_HEADER.pack(batch.session_id, len(batch.requests), len(tensors), 0, batch.token)
+    return [envelope(MsgKind.SUBMIT), b"".join([head, *parts, *tensors])]
+
+
+def _check_table(what: str, body_len: int, header: int, n_rec: int, rec: int, n_t: int, extra: int = 0) -> None:
+    expected = header + n_rec * rec + n_t * TENSOR.size + extra
+    if body_len != expected:
+        raise ProtocolError(f"{what} body is {body_len} bytes; its header announces {expected}")
+
+
+def _span_ok(first: int, count: int, total: int) -> bool:
+    # written as a C program must write it: no ``first + count`` that could wrap
+    return first <= total and count <= total - first
+
+
+def decode_submit(body: bytes | memoryview) -> SubmitBatch:
+    """Decode a SUBMIT body; every count and tensor span is checked against the body's length."""
+    if len(body) < SUBMIT_HEADER.size:
+        raise ProtocolError(f"SUBMIT body of {len(body)} bytes is shorter than its {SUBMIT_HEADER.size}-byte header")
+    session_id, n_req, n_t, _flags, token = SUBMIT_HEADER.unpack_from(body)
+    _check_table("SUBMIT", len(body), SUBMIT_HEADER.size, n_req, REQUEST.size, n_t)
+    t_start = SUBMIT_HEADER.size + n_req * REQUEST.size
+    tensors = _unpack_tensors(body, t_start, n_t)
+    requests = []
+    req_bytes = body[SUBMIT_HEADER.size : t_start]
+    for rid, slot, gen, model_id, first, count, timeout_us in REQUEST.iter_unpack(req_bytes):
+        if not _span_ok(first, count, n_t):
+            raise ProtocolError(f"request {rid}: tensors [{first}, +{count}) lie outside the {n_t} in the message")
+        requests.append(SubmitRequest(rid, slot, gen, model_id, timeout_us, tensors[first : first + count]))
+    return SubmitBatch(session_id, token, requests)
+
+
+def encode_done(batch: DoneBatch) -> list[bytes]:
+    parts = []
+    tensors: list[bytes] = []
+    texts: list[bytes] = []
+    text_len = 0
+    for r in batch.results:
+        msg = r.message.encode("utf-8", "replace")[:4096]
+        parts.append(
+            RESULT.pack(
+                r.request_id, r.slot, r.generation, r.status, len(tensors), len(r.tensors), text_len, len(msg), 0
+            )
+        )
+        tensors.extend(_pack_tensor(t) for t in r.tensors)
+        texts.append(msg)
+        text_len += len(msg)
+    head = DONE_HEADER.pack(batch.session_id, len(batch.results), len(tensors), text_len)
+    return [envelope(MsgKind.DONE), b"".join([head, *parts, *tensors, *texts])]
+
+
+def decode_done(body: bytes | memoryview) -> DoneBatch:
+    if len(body) < DONE_HEADER.size:
+        raise ProtocolError(f"DONE body of {len(body)} bytes is shorter than its {DONE_HEADER.size}-byte header")
+    session_id, n_res, n_t, text_len = DONE_HEADER.unpack_from(body)
+    _check_table("DONE", len(body), DONE_HEADER.size, n_res, RESULT.size, n_t, text_len)
+    t_start = DONE_HEADER.size + n_res * RESULT.size
+    text_start = t_start + n_t * TENSOR.size
+    tensors = _unpack_tensors(body, t_start, n_t)
+    text = bytes(body[text_start:])
+    results = []
+    for rid, slot, gen, status, first, count, m_off, m_len, _r in RESULT.iter_unpack(body[DONE_HEADER.size : t_start]):
+        if not _span_ok(first, count, n_t) or not _span_ok(m_off, m_len, text_len):
+            raise ProtocolError(f"result {rid}: tensor or message span lies outside the message")
+        message = text[m_off : m_off + m_len].decode("utf-8", "replace")
+        results.append(Result(rid, slot, gen, status, tensors[first : first + count], message))
+    return DoneBatch(session_id, results)

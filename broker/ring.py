@@ -1,0 +1,267 @@
+"""The session ring: one POSIX shared-memory segment of fixed-size slots, and the checks on every descriptor.
+
+Byte layout (all little-endian; docs/PROTOCOL.md has the same table):
+
+    segment = header (HEADER_BYTES) | slot 0 | slot 1 | ... each ``slot_stride`` bytes, page aligned
+    slot    = slot header (SLOT_HEADER_BYTES) | input region (in_capacity) | output region (out_capacity)
+
+Ordering rule: a writer writes the payload, then the slot header's other words, then the state word last;
+a reader reads the state word first. Only the creator (the broker) unlinks a segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import secrets
+import struct
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"SHMBRNG1"
+LAYOUT_VERSION = 1
+HEADER_BYTES = 4096
+SLOT_HEADER_BYTES = 256
+REGION_ALIGN = 256
+SLOT_ALIGN = 4096
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "shmb-"
+
+# magic, version, header_bytes, session_id, n_slots, slot_stride, slot_header, in_cap, out_cap, total, pid
+SEGMENT_HEADER = struct.Struct("<8sIIIIQQQQQI")
+# state, generation, request_id, status
+SLOT_HEADER = struct.Struct("<IIQI")
+STATE_WORD = struct.Struct("<I")
+
+
+class SlotState:
+    FREE = 0
+    SUBMITTED = 1
+    DONE = 2
+    FAILED = 3
+
+
+class RingError(ValueError):
+    """A segment or a descriptor that does not fit the ring; the text names the field."""
+
+
+def align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class RingLayout:
+    """Where everything lies in a segment; both ends derive it from the same four numbers."""
+
+    session_id: int
+    n_slots: int
+    in_capacity: int
+    out_capacity: int
+    in_offset: int = field(init=False, default=SLOT_HEADER_BYTES)
+    out_offset: int = field(init=False)
+    slot_stride: int = field(init=False)
+    total_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        out_offset = SLOT_HEADER_BYTES + align(self.in_capacity, REGION_ALIGN)
+        stride = align(out_offset + self.out_capacity, SLOT_ALIGN)
+        object.__setattr__(self, "out_offset", out_offset)
+        object.__setattr__(self, "slot_stride", stride)
+        object.__setattr__(self, "total_bytes", HEADER_BYTES + self.n_slots * stride)
+
+    def slot_base(self, slot: int) -> int:
+        return HEADER_BYTES + slot * self.slot_stride
+
+    def input_base(self, slot: int) -> int:
+        return self.slot_base(slot) + self.in_offset
+
+    def output_base(self, slot: int) -> int:
+        return self.slot_base(slot) + self.out_offset
+
+
+def check_span(field: str, offset: int, nbytes: int, capacity: int) -> None:
+    """Raise RingError unless [offset, offset+nbytes) lies inside [0, capacity); overflow-safe as in C."""
+    if offset < 0 or nbytes < 0:
+        raise RingError(f"{field}: offset {offset} and size {nbytes} must not be negative")
+    if offset > capacity or nbytes > capacity - offset:
+        raise RingError(f"{field}: bytes [{offset}, {offset}+{nbytes}) exceed the slot region of {capacity} bytes")
+
+
+TENSOR_ALIGN = 64
+
+
+def pack_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of tensors packed in order at TENSOR_ALIGN boundaries, and the bytes they span in all."""
+    offsets = []
+    end = 0
+    for n in sizes:
+        start = align(end, TENSOR_ALIGN)
+        offsets.append(start)
+        end = start + n
+    return offsets, end
+
+
+def new_segment_name(instance: str) -> str:
+    """An unguessable name with the project prefix and the broker instance (for the janitor)."""
+    return f"{NAME_PREFIX}{instance}-{secrets.token_hex(16)}"
+
+
+def _path(name: str) -> str:
+    if "/" in name or not name.startswith(NAME_PREFIX):
+        raise RingError(f"segment name must start with {NAME_PREFIX!r} and hold no '/'")
+    return os.path.join(SHM_DIR, name)
+
+
+def _close_mapping(mm: mmap.mmap, fd: int) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        # numpy views still hold the buffer; the mapping goes when they do
+        log.debug("segment mapping still exported; left to the garbage collector")
+    os.close(fd)
+
+
+class Segment:
+    """A mapped ring segment. ``close()`` unmaps; ``unlink()`` (creator only) removes the name."""
+
+    def __init__(self, name: str, fd: int, size: int, layout: RingLayout, creator: bool) -> None:
+        self.name = name
+        self.layout = layout
+        self.creator = creator
+        self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.buf = memoryview(self._mm)
+        self._finalizer = weakref.finalize(self, _close_mapping, self._mm, fd)
+
+    @classmethod
+    def create(cls, name: str, layout: RingLayout, mode: int = 0o600, gid: int | None = None) -> Segment:
+        path = _path(name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        try:
+            os.fchmod(fd, mode)  # the umask must not widen or narrow the configured mode
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+            _allocate(fd, layout.total_bytes)
+            seg = cls(name, fd, layout.total_bytes, layout, creator=True)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        SEGMENT_HEADER.pack_into(
+            seg.buf, 0, MAGIC, LAYOUT_VERSION, HEADER_BYTES, layout.session_id, layout.n_slots,
+            layout.slot_stride, SLOT_HEADER_BYTES, layout.in_capacity, layout.out_capacity,
+            layout.total_bytes, os.getpid(),
+        )
+        return seg
+
+    @classmethod
+    def open(cls, name: str, expected: RingLayout) -> Segment:
+        """Map an existing segment and check that its header matches the layout the broker announced."""
+        fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            size = os.fstat(fd).st_size
+            if size != expected.total_bytes:
+                raise RingError(f"segment is {size} bytes; the session announced {expected.total_bytes}")
+            seg = cls(name, fd, size, expected, creator=False)
+        except BaseException:
+            os.close(fd)
+            raise
+        seg._verify_header()
+        return seg
+
+    def _verify_header(self) -> None:
+        magic, version, hbytes, sid, n_slots, stride, shb, in_cap, out_cap, total, _pid = (
+            SEGMENT_HEADER.unpack_from(self.buf, 0)
+        )
+        lay = self.layout
+        checks = {
+            "magic": (magic, MAGIC), "layout_version": (version, LAYOUT_VERSION),
+            "header_bytes": (hbytes, HEADER_BYTES), "session_id": (sid, lay.session_id),
+            "n_slots": (n_slots, lay.n_slots), "slot_stride": (stride, lay.slot_stride),
+            "slot_header_bytes": (shb, SLOT_HEADER_BYTES), "in_capacity": (in_cap, lay.in_capacity),
+            "out_capacity": (out_cap, lay.out_capacity), "total_bytes": (total, lay.total_bytes),
+        }
+        for key, (got, want) in checks.items():
+            if got != want:
+                self.close()
+                raise RingError(f"segment header field {key} is {got!r}, expected {want!r}")
+
+    # -- slot header --------------------------------------------------------------------------------------
+    def read_slot(self, slot: int) -> tuple[int, int, int, int]:
+        """(state, generation, request_id, status) of a slot; the state word is read first."""
+        base = self.layout.slot_base(slot)
+        state = STATE_WORD.unpack_from(self.buf, base)[0]
+        _s, gen, rid, status = SLOT_HEADER.unpack_from(self.buf, base)
+        return state, gen, rid, status
+
+    def publish_slot(self, slot: int, state: int, generation: int, request_id: int, status: int) -> None:
+        """Write the slot header with the state word last (after the payload is in place)."""
+        base = self.layout.slot_base(slot)
+        struct.pack_into("<IQI", self.buf, base + 4, generation, request_id, status)
+        STATE_WORD.pack_into(self.buf, base, state)
+
+    def set_state(self, slot: int, state: int, status: int) -> None:
+        base = self.layout.slot_base(slot)
+        struct.pack_into("<I", self.buf, base + 16, status)
+        STATE_WORD.pack_into(self.buf, base, state)
+
+    # -- tensor views ---------------------------------------------------------------------------------------
+    def input_view(self, slot: int, offset: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
+        return self._view(self.layout.input_base(slot), self.layout.in_capacity, offset, dtype, shape, "input")
+
+    def output_view(self, slot: int, offset: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
+        return self._view(self.layout.output_base(slot), self.layout.out_capacity, offset, dtype, shape, "output")
+
+    def _view(
+        self, base: int, cap: int, offset: int, dtype: np.dtype[Any], shape: tuple[int, ...], what: str
+    ) -> np.ndarray:
+        count = math.prod(shape)
+        check_span(f"{what} tensor", offset, count * dtype.itemsize, cap)
+        return np.frombuffer(self.buf, dtype=dtype, count=count, offset=base + offset).reshape(shape)
+
+    def close(self) -> None:
+        """Unmap now if no view is left, else when the last view goes."""
+        try:
+            self.buf.release()
+        except BufferError:
+            log.debug("views of session %d's segment still exist", self.layout.session_id)
+        self._finalizer()
+
+    def unlink(self) -> None:
+        if not self.creator:
+            raise RingError("only the creator of a segment unlinks it")
+        try:
+            os.unlink(_path(self.name))
+        except FileNotFoundError:
+            log.warning("segment of session %d was already gone", self.layout.session_id)
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Reserve the pages now, so a full /dev/shm fails here with ENOSPC and not later with SIGBUS."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        raise RingError(
+            f"cannot reserve {size} bytes in {SHM_DIR} ({exc.strerror}); enlarge it (docker: --shm-size) "
+            "or lower [sessions] default_slots / the models' max_batch"
+        ) from None
+
+
+def unlink_instance_segments(instance: str) -> int:
+    """Remove every segment of one (dead) broker instance; the janitor's tool. Returns how many."""
+    prefix = f"{NAME_PREFIX}{instance}-"
+    removed = 0
+    for entry in os.scandir(SHM_DIR):
+        if entry.name.startswith(prefix):
+            try:
+                os.unlink(entry.path)
+                removed += 1
+            except FileNotFoundError:
+                continue
+    return removed

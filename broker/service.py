@@ -1,0 +1,387 @@
+"""The broker's serving loop: the client control socket, the workers socket, supervision and timers.
+
+Steps of each turn: (1) poll both sockets, (2) handle client messages, (3) handle worker messages,
+(4) supervise workers, (5) expire handshakes, dead clients and health waiters. Nothing here touches
+request payloads: the data path runs client <-> worker directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import psutil
+import zmq
+
+from broker import protocol as P
+from broker import ring, runtime
+from broker.config import Config
+from broker.health import health_reply
+from broker.sessions import BrokerSession, Phase, SessionError, SessionTable
+from broker.supervisor import Supervisor, WorkerPhase, WorkerSlot
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 50
+STATS_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Waiter:
+    identity: bytes
+    deadline: float
+
+
+@dataclass
+class StatsQuery:
+    identity: bytes
+    deadline: float
+    waiting: set[int]
+    replies: list[P.WorkerStats]
+
+
+class Broker:
+    """Invariant: a segment is unlinked only after every worker that mapped it detached or died."""
+
+    def __init__(self, cfg: Config, runtime_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        self.runtime_dir = runtime_dir or runtime.resolve(cfg.broker.runtime_dir)
+        runtime.prepare(self.runtime_dir, cfg.file_mode, cfg.group_id())
+        self._lock = runtime.InstanceLock(self.runtime_dir)
+        self.instance = secrets.token_hex(4)
+        self._janitor()
+        self.sessions = SessionTable(cfg, self.instance)
+        self.supervisor = Supervisor(cfg, self.runtime_dir)
+        self.models: list[P.ModelInfo] = []
+        self._health_waiters: list[Waiter] = []
+        self._pending_hellos: list[tuple[bytes, P.Hello, float]] = []
+        self._stats: dict[int, StatsQuery] = {}
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.control = self._bind(runtime.CONTROL_SOCKET)
+        self.workers_sock = self._bind(runtime.WORKERS_SOCKET)
+        self._closed = False
+
+    def _janitor(self) -> None:
+        """Remove what a dead broker left in this runtime dir and in /dev/shm (we hold the lock: it is dead)."""
+        prev = runtime.previous_instance(self.runtime_dir)
+        if prev:
+            n = ring.unlink_instance_segments(prev)
+            if n:
+                log.warning("removed %d segments left by a previous broker", n)
+        n = runtime.clean_stale_sockets(self.runtime_dir)
+        if n:
+            log.warning("removed %d socket files left by a previous broker", n)
+        (self.runtime_dir / runtime.INSTANCE_FILE).write_text(self.instance + "\n")
+
+    def _bind(self, name: str) -> zmq.Socket[bytes]:
+        s = self._ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a silent drop
+        addr = runtime.endpoint(self.runtime_dir, name)
+        s.bind(addr)
+        runtime.secure_socket_file(addr, self.cfg.file_mode, self.cfg.group_id())
+        return s
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def serve(self, stop: threading.Event, on_ready: threading.Event | None = None) -> None:
+        """Run until ``stop`` is set; then shut down cleanly (workers stopped, segments and sockets removed)."""
+        self.supervisor.start_all()
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        poller.register(self.workers_sock, zmq.POLLIN)
+        last_liveness = time.monotonic()
+        try:
+            while not stop.is_set():
+                events = dict(poller.poll(POLL_MS))  # (1)
+                if self.control in events:
+                    self._drain(self.control, self._on_client)  # (2)
+                if self.workers_sock in events:
+                    self._drain(self.workers_sock, self._on_worker)  # (3)
+                now = time.monotonic()
+                for w in self.supervisor.check(now):  # (4)
+                    self._worker_died(w)
+                self._timers(now)  # (5)
+                if now - last_liveness >= self.cfg.broker.session_check_ms / 1e3:
+                    last_liveness = now
+                    self._reap_dead_clients()
+                if on_ready is not None and self.all_ready():
+                    on_ready.set()
+        finally:
+            self.close()
+
+    def _drain(self, sock: zmq.Socket[bytes], handler: object) -> None:
+        for _ in range(1000):
+            try:
+                identity, *frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = P.decode(frames)
+            except P.ProtocolError as exc:
+                log.warning("malformed control message: %s", exc)
+                self._send(sock, identity, P.ErrorReply("BAD_MESSAGE", str(exc)))
+                continue
+            handler(identity, msg)  # type: ignore[operator]
+
+    def _send(self, sock: zmq.Socket[bytes], identity: bytes, msg: msgspec.Struct) -> bool:
+        try:
+            sock.send_multipart([identity, *P.encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:  # EHOSTUNREACH (peer gone) or EAGAIN (peer not reading)
+            log.info("cannot reach a peer (%s)", exc.strerror)
+            return False
+
+    def all_ready(self) -> bool:
+        return health_reply(self.cfg, self.supervisor).ready
+
+    # -- clients --------------------------------------------------------------------------------------------
+    def _on_client(self, identity: bytes, msg: msgspec.Struct) -> None:
+        if isinstance(msg, P.Hello):
+            self._pending_hellos.append((identity, msg, time.monotonic() + self.cfg.broker.handshake_timeout_ms / 1e3))
+            self._serve_hellos()
+        elif isinstance(msg, P.Attached):
+            self._client_attached(identity, msg)
+        elif isinstance(msg, P.Bye):
+            s = self.sessions.by_id.get(msg.session_id)
+            if s is not None and s.identity == identity:
+                self._close_session(s, "client said BYE")
+        elif isinstance(msg, P.Health):
+            self._health(identity, msg)
+        elif isinstance(msg, P.StatsRequest):
+            self._stats_query(identity)
+        else:
+            self._send(self.control, identity, P.ErrorReply("BAD_MESSAGE", f"{type(msg).__name__} is not for the "
+                                                                         "broker's control socket"))
+
+    def _serve_hellos(self) -> None:
+        if not self.models:
+            return  # no worker has reported the models yet; the HELLOs wait (see _timers)
+        hellos, self._pending_hellos = self._pending_hellos, []
+        for identity, hello, _deadline in hellos:
+            try:
+                s = self.sessions.create(hello, identity, self.models)
+            except SessionError as exc:
+                self._send(self.control, identity, P.ErrorReply(exc.code, str(exc)))
+                continue
+            except (OSError, ring.RingError) as exc:
+                self._send(self.control, identity, P.ErrorReply("NO_SHM", str(exc)))
+                continue
+            s.deadline = time.monotonic() + self.cfg.broker.handshake_timeout_ms / 1e3
+            self._send(self.control, identity, s.setup(self.models, self.cfg.broker.handshake_timeout_ms))
+
+    def _client_attached(self, identity: bytes, msg: P.Attached) -> None:
+        s = self.sessions.by_id.get(msg.session_id)
+        if s is None or s.identity != identity or s.phase is not Phase.SETUP_SENT:
+            self._send(self.control, identity, P.ErrorReply("BAD_SESSION", f"ATTACHED.session_id {msg.session_id} "
+                                                                         "is not a session in set-up"))
+            return
+        s.phase = Phase.ATTACHING
+        s.deadline = time.monotonic() + self.cfg.broker.handshake_timeout_ms / 1e3
+        for w in self.supervisor.ready_workers():
+            self._attach(s, w)
+        self._maybe_ready(s)
+
+    def _attach(self, s: BrokerSession, w: WorkerSlot) -> None:
+        s.pending_attach.add(w.worker_id)
+        self._send(self.workers_sock, w.identity, s.attach_msg())
+
+    def _maybe_ready(self, s: BrokerSession) -> None:
+        if s.phase is Phase.ATTACHING and not s.pending_attach:
+            s.phase = Phase.READY
+            s.deadline = 0.0
+            self._send(self.control, s.identity, P.Ready(s.session_id, s.token, self._worker_infos(s)))
+
+    def _worker_infos(self, s: BrokerSession) -> list[P.WorkerInfo]:
+        out = []
+        for wid in sorted(s.attached):
+            w = self.supervisor.workers[wid]
+            if w.phase is WorkerPhase.READY:
+                out.append(self._worker_info(s, w))
+        return out
+
+    def _worker_info(self, s: BrokerSession, w: WorkerSlot) -> P.WorkerInfo:
+        return P.WorkerInfo(w.worker_id, w.device, w.endpoint, s.reply_endpoints[w.worker_id],
+                            [m.name for m in w.models])
+
+    def _close_session(self, s: BrokerSession, why: str) -> None:
+        if s.phase is Phase.CLOSING:
+            return
+        log.info("closing session %d: %s", s.session_id, why)
+        s.phase = Phase.CLOSING
+        s.deadline = time.monotonic() + self.cfg.broker.handshake_timeout_ms / 1e3
+        for wid in s.attached | s.pending_attach:
+            w = self.supervisor.workers[wid]
+            if w.identity:
+                s.pending_detach.add(wid)
+                self._send(self.workers_sock, w.identity, P.Detach(s.session_id))
+        self._maybe_destroy(s)
+
+    def _maybe_destroy(self, s: BrokerSession) -> None:
+        if s.phase is Phase.CLOSING and not s.pending_detach:
+            self.sessions.destroy(s)
+
+    def _reap_dead_clients(self) -> None:
+        for s in list(self.sessions.by_id.values()):
+            if s.phase is not Phase.CLOSING and not psutil.pid_exists(s.pid):
+                self._close_session(s, f"client pid {s.pid} is gone")
+
+    def _health(self, identity: bytes, msg: P.Health) -> None:
+        reply = health_reply(self.cfg, self.supervisor)
+        if reply.ready or msg.wait_ms == 0:
+            self._send(self.control, identity, reply)
+        else:
+            self._health_waiters.append(Waiter(identity, time.monotonic() + msg.wait_ms / 1e3))
+
+    def _stats_query(self, identity: bytes) -> None:
+        qid = secrets.randbits(31)
+        ready = self.supervisor.ready_workers()
+        self._stats[qid] = StatsQuery(identity, time.monotonic() + STATS_TIMEOUT_S, {w.worker_id for w in ready}, [])
+        for w in ready:
+            self._send(self.workers_sock, w.identity, P.WorkerStatsRequest(qid))
+        self._finish_stats(qid)
+
+    def _finish_stats(self, qid: int, force: bool = False) -> None:
+        q = self._stats.get(qid)
+        if q is not None and (force or not q.waiting):
+            del self._stats[qid]
+            self._send(self.control, q.identity, P.StatsReply(sorted(q.replies, key=lambda r: r.worker_id)))
+
+    # -- workers --------------------------------------------------------------------------------------------
+    def _on_worker(self, identity: bytes, msg: msgspec.Struct) -> None:
+        if isinstance(msg, P.WorkerHello):
+            if msg.protocol != P.PROTOCOL_VERSION or not 0 <= msg.worker_id < len(self.supervisor.workers):
+                log.error("refused a worker HELLO: %s", msg)
+                return
+            self.supervisor.workers[msg.worker_id].identity = identity
+            return
+        w = self.supervisor.by_identity(identity)
+        if w is None:
+            log.warning("message %s from an unknown worker", type(msg).__name__)
+            return
+        if isinstance(msg, P.WorkerReady):
+            self._worker_ready(w, msg)
+        elif isinstance(msg, P.WorkerFailed):
+            w.reason = f"model load failed: {msg.reason}"
+            log.error("worker %d: %s", w.worker_id, w.reason)
+        elif isinstance(msg, P.AttachOk):
+            self._attach_ok(w, msg)
+        elif isinstance(msg, P.DetachOk):
+            s = self.sessions.by_id.get(msg.session_id)
+            if s is not None:
+                s.pending_detach.discard(w.worker_id)
+                s.attached.discard(w.worker_id)
+                self._maybe_destroy(s)
+        elif isinstance(msg, P.WorkerStatsReply):
+            q = self._stats.get(msg.request_id)
+            if q is not None:
+                q.replies.append(msg.stats)
+                q.waiting.discard(w.worker_id)
+                self._finish_stats(msg.request_id)
+        elif isinstance(msg, P.ErrorReply):
+            log.error("worker %d: %s %s", w.worker_id, msg.code, msg.message)
+
+    def _worker_ready(self, w: WorkerSlot, msg: P.WorkerReady) -> None:
+        w.phase = WorkerPhase.READY
+        w.endpoint = msg.endpoint
+        w.models = msg.models
+        w.reason = ""
+        if not self.models:
+            self.models = list(msg.models)
+        elif [m.name for m in msg.models] != [m.name for m in self.models]:
+            log.error("worker %d serves %s, others serve %s", w.worker_id, msg.models, self.models)
+        log.info("worker %d ready at %s", w.worker_id, msg.endpoint)
+        self._serve_hellos()
+        for s in self.sessions.by_id.values():
+            if s.phase in (Phase.ATTACHING, Phase.READY):
+                self._attach(s, w)
+
+    def _attach_ok(self, w: WorkerSlot, msg: P.AttachOk) -> None:
+        s = self.sessions.by_id.get(msg.session_id)
+        if s is None:
+            return
+        s.pending_attach.discard(w.worker_id)
+        s.attached.add(w.worker_id)
+        s.reply_endpoints[w.worker_id] = msg.reply_endpoint
+        if s.phase is Phase.READY:  # a restarted worker joined a live session
+            self._send(self.control, s.identity, P.WorkerUp(self._worker_info(s, w)))
+        elif s.phase is Phase.CLOSING:
+            s.pending_detach.add(w.worker_id)
+            self._send(self.workers_sock, w.identity, P.Detach(s.session_id))
+        self._maybe_ready(s)
+
+    def _worker_died(self, w: WorkerSlot) -> None:
+        for s in list(self.sessions.by_id.values()):
+            had = w.worker_id in s.attached or w.worker_id in s.pending_attach
+            s.attached.discard(w.worker_id)
+            s.pending_attach.discard(w.worker_id)
+            s.pending_detach.discard(w.worker_id)
+            s.reply_endpoints.pop(w.worker_id, None)
+            if had and s.phase is Phase.READY:
+                self._send(self.control, s.identity, P.WorkerDown(w.worker_id, w.reason))
+            self._maybe_ready(s)
+            self._maybe_destroy(s)
+        for qid, q in list(self._stats.items()):
+            q.waiting.discard(w.worker_id)
+            self._finish_stats(qid)
+
+    # -- timers ---------------------------------------------------------------------------------------------
+    def _timers(self, now: float) -> None:
+        for s in self.sessions.expired(now):
+            if s.phase is Phase.CLOSING:
+                log.warning("session %d: workers %s did not detach in time; unlinking anyway",
+                            s.session_id, sorted(s.pending_detach))
+                s.pending_detach.clear()
+                self._maybe_destroy(s)
+            else:
+                log.warning("session %d: handshake not finished in time (broker.handshake_timeout_ms)", s.session_id)
+                self._send(self.control, s.identity, P.ErrorReply(
+                    "HANDSHAKE_TIMEOUT", "the session's handshake did not finish within broker.handshake_timeout_ms"))
+                self._close_session(s, "handshake timeout")
+        if self._pending_hellos:
+            keep = []
+            for identity, hello, deadline in self._pending_hellos:
+                if now > deadline:
+                    self._send(self.control, identity, P.ErrorReply(
+                        "NOT_READY", "no worker has loaded the models yet; raise broker.handshake_timeout_ms, or "
+                        "wait with `shmbroker health --wait`"))
+                else:
+                    keep.append((identity, hello, deadline))
+            self._pending_hellos = keep
+        if self._health_waiters:
+            reply = health_reply(self.cfg, self.supervisor)
+            keep_w = []
+            for waiter in self._health_waiters:
+                if reply.ready or now > waiter.deadline:
+                    self._send(self.control, waiter.identity, reply)
+                else:
+                    keep_w.append(waiter)
+            self._health_waiters = keep_w
+        for qid, q in list(self._stats.items()):
+            if now > q.deadline:
+                self._finish_stats(qid, force=True)
+
+    # -- shutdown -------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for s in self.sessions.by_id.values():
+            if s.phase is Phase.READY:
+                for wid in s.attached:
+                    self._send(self.control, s.identity, P.WorkerDown(wid, "the broker is shutting down"))
+        for w in self.supervisor.workers:
+            if w.identity:
+                self._send(self.workers_sock, w.identity, P.Shutdown())
+        self.supervisor.stop_all()
+        self.sessions.destroy_all()
+        self._ctx.destroy(linger=0)
+        runtime.clean_stale_sockets(self.runtime_dir)
+        for name in (runtime.INSTANCE_FILE, runtime.LOCK_FILE):
+            (self.runtime_dir / name).unlink(missing_ok=True)
+        self._lock.release()
+        log.info("broker stopped; sockets and segments removed")

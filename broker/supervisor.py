@@ -1,0 +1,198 @@
+"""Starting, watching and restarting the workers: one per configured device, as processes or threads."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from broker import protocol as P
+from broker.config import Config
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0
+
+
+class WorkerPhase(enum.Enum):
+    STARTING = 1
+    READY = 2
+    DOWN = 3  # dead, waiting for its restart
+    FAILED = 4  # dead after its models did not load; restarted with a growing backoff
+
+
+class Launch:
+    """A running worker, process or thread; the supervisor sees only this."""
+
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def stop(self, kill: bool = False) -> None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float) -> bool:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int:
+        raise NotImplementedError
+
+
+class ProcessLaunch(Launch):
+    def __init__(self, cfg: Config, worker_id: int, runtime_dir: Path, restarts: int) -> None:
+        cmd = [sys.executable, "-m", "gpu_worker.process", "--worker-id", str(worker_id),
+               "--runtime-dir", str(runtime_dir), "--restarts", str(restarts)]
+        self._p = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+        # the validated config travels as JSON on stdin: the worker sees exactly what the broker checked
+        self._feed(cfg)
+
+    def _feed(self, cfg: Config) -> None:
+        stdin = self._p.stdin
+        if stdin is None:
+            raise RuntimeError("worker process has no stdin pipe")
+        stdin.write(msgspec.json.encode(cfg))
+        stdin.close()
+
+    def alive(self) -> bool:
+        return self._p.poll() is None
+
+    def stop(self, kill: bool = False) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            (self._p.kill if kill else self._p.terminate)()
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self._p.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    @property
+    def pid(self) -> int:
+        return self._p.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._p.returncode
+
+
+class ThreadLaunch(Launch):
+    """In-process mode: the same Worker logic in a thread of the broker (tests, single-process embedding)."""
+
+    def __init__(self, cfg: Config, worker_id: int, runtime_dir: Path, restarts: int) -> None:
+        from gpu_worker.worker import Worker
+
+        self._stop = threading.Event()
+        worker = Worker(cfg, worker_id, runtime_dir, restarts)
+        self._t = threading.Thread(target=worker.run, args=(self._stop,), name=f"worker-{worker_id}", daemon=True)
+        self._t.start()
+
+    def alive(self) -> bool:
+        return self._t.is_alive()
+
+    def stop(self, kill: bool = False) -> None:
+        self._stop.set()
+
+    def wait(self, timeout: float) -> bool:
+        self._t.join(timeout)
+        return not self._t.is_alive()
+
+    @property
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+@dataclass
+class WorkerSlot:
+    """What the broker knows of one worker (one device)."""
+
+    worker_id: int
+    device: str
+    phase: WorkerPhase = WorkerPhase.STARTING
+    launch: Launch | None = None
+    identity: bytes = b""  # routing id on the workers socket
+    endpoint: str = ""
+    models: list[P.ModelInfo] = field(default_factory=list)
+    restarts: int = 0
+    restart_at: float = 0.0
+    started_at: float = 0.0
+    reason: str = ""
+
+
+class Supervisor:
+    """Keeps one worker per device running: a dead one is restarted after ``restart_backoff_ms``."""
+
+    def __init__(self, cfg: Config, runtime_dir: Path) -> None:
+        self.cfg = cfg
+        self.runtime_dir = runtime_dir
+        self.workers = [WorkerSlot(i, str(d)) for i, d in enumerate(cfg.worker.devices)]
+        self._launch_cls: type[Launch] = ThreadLaunch if cfg.broker.worker_mode == "thread" else ProcessLaunch
+
+    def start_all(self) -> None:
+        for w in self.workers:
+            self._start(w)
+
+    def _start(self, w: WorkerSlot) -> None:
+        w.phase = WorkerPhase.STARTING
+        w.identity = b""
+        w.started_at = time.monotonic()
+        w.launch = self._launch_cls(self.cfg, w.worker_id, self.runtime_dir, w.restarts)
+        log.info("worker %d (%s) started, pid %d", w.worker_id, w.device, w.launch.pid)
+
+    def check(self, now: float) -> list[WorkerSlot]:
+        """Restart workers whose backoff is over; return those found dead since the last call."""
+        died = []
+        start_timeout = self.cfg.broker.worker_start_timeout_ms / 1e3
+        for w in self.workers:
+            if w.phase in (WorkerPhase.DOWN, WorkerPhase.FAILED):
+                if now >= w.restart_at:
+                    w.restarts += 1
+                    self._start(w)
+                continue
+            if w.launch is not None and not w.launch.alive():
+                died.append(w)
+                self._mark_down(w, now, w.reason or "the worker process exited")
+            elif w.phase is WorkerPhase.STARTING and now - w.started_at > start_timeout and w.launch is not None:
+                log.error("worker %d not ready after %.0f s (broker.worker_start_timeout_ms); killing it",
+                          w.worker_id, start_timeout)
+                w.launch.stop(kill=True)
+        return died
+
+    def _mark_down(self, w: WorkerSlot, now: float, reason: str) -> None:
+        failed = w.reason.startswith("model load")
+        backoff = self.cfg.broker.restart_backoff_ms / 1e3
+        if failed:  # a model that does not load will not load at once either: back off harder
+            backoff = min(30.0, backoff * 2 ** min(w.restarts, 8))
+        w.phase = WorkerPhase.FAILED if failed else WorkerPhase.DOWN
+        w.reason = reason
+        w.identity = b""
+        w.restart_at = now + backoff
+        log.warning("worker %d down (%s); restart in %.1f s", w.worker_id, reason, backoff)
+
+    def ready_workers(self) -> list[WorkerSlot]:
+        return [w for w in self.workers if w.phase is WorkerPhase.READY]
+
+    def by_identity(self, identity: bytes) -> WorkerSlot | None:
+        return next((w for w in self.workers if w.identity == identity and identity), None)
+
+    def stop_all(self) -> None:
+        """SIGTERM every worker, wait, then SIGKILL what is left; no child outlives the broker."""
+        launches = [w.launch for w in self.workers if w.launch is not None]
+        for launch in launches:
+            launch.stop()
+        end = time.monotonic() + STOP_GRACE_S
+        for launch in launches:
+            if not launch.wait(max(0.0, end - time.monotonic())):
+                log.warning("worker pid %d did not stop in %.0f s; killing it", launch.pid, STOP_GRACE_S)
+                launch.stop(kill=True)
+                launch.wait(5.0)

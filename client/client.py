@@ -1,0 +1,474 @@
+"""The synchronous client: ``Client().infer(model, inputs)`` and ``submit`` returning a Future.
+
+Threads: callers write their slot and send the SUBMIT themselves (coalesced under a per-worker lock);
+one IO thread receives DONEs and broker notices and completes the futures. Slots are the flow control:
+at most ``slots`` requests are in flight, and a caller waits for a free slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+import numpy as np
+import zmq
+
+from broker import protocol as P
+from broker import runtime
+from broker.ring import SlotState
+from client.errors import BadInput, RequestTimeout, ShmBrokerError, UnknownModel, WorkerDied, from_status
+from client.session import Link, ModelPlan, control_socket, handshake
+
+log = logging.getLogger(__name__)
+
+Inputs = np.ndarray | Mapping[str, np.ndarray]
+Outputs = np.ndarray | dict[str, np.ndarray]
+GRACE_S = 2.0  # how long past its deadline a request may stay unanswered before the client gives up
+
+
+@dataclass(slots=True)
+class _Pending:
+    request_id: int
+    generation: int
+    plan: ModelPlan
+    worker_id: int
+    on_done: Callable[[P.Result | ShmBrokerError], None]
+    release: bool  # free the slot when done (False: a zero-copy Request holds it)
+
+
+class Client:
+    """One session with the broker: a ring of slots, links to the workers, an IO thread."""
+
+    def __init__(
+        self, runtime_dir: str | os.PathLike[str] | None = None, *, slots: int = 0, max_items: int = 0,
+        connect_timeout: float = 10.0, name: str = "",
+    ) -> None:
+        self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else runtime.resolve()
+        self._pid = os.getpid()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._ctl = control_socket(self._ctx, self.runtime_dir)
+        try:
+            hs = handshake(self._ctl, slots, max_items, name, connect_timeout)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        self.session_id = hs.setup.session_id
+        self.max_items = hs.setup.max_items
+        self._token = hs.ready.token
+        self.segment = hs.segment
+        self.models = {m.name: ModelPlan.of(m) for m in hs.setup.models}
+        self._by_id = {p.info.model_id: p for p in self.models.values()}
+        self._links: dict[int, Link] = {}
+        self._links_lock = threading.Lock()
+        self._links_changed = True  # the IO thread rebuilds its poller
+        self._pending: dict[int, _Pending] = {}
+        self._free: list[int] = list(range(hs.setup.n_slots - 1, -1, -1))
+        self._gens = [0] * hs.setup.n_slots
+        self._slot_cond = threading.Condition()
+        self._ids = itertools.count(1)
+        self._cork = threading.local()
+        self._stop = threading.Event()
+        self._wake_addr = f"inproc://wake-{id(self)}"
+        self._wake_rx = self._ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(self._wake_addr)
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(self._wake_addr)
+        self._wake_lock = threading.Lock()
+        for info in hs.ready.workers:
+            self._links[info.worker_id] = Link(self._ctx, info)
+        self._wait_links_up(connect_timeout)
+        self._io = threading.Thread(target=self._io_loop, name=f"shmb-client-{self.session_id}", daemon=True)
+        self._io.start()
+        self._finalizer = weakref.finalize(self, Client._shutdown, self._stop, self._io, self._wake)
+
+    # -- public API -------------------------------------------------------------------------------------------
+    def infer(self, model: str, inputs: Inputs, timeout: float | None = None) -> Outputs:
+        """Run one request and return its output (one array, or a dict when the model has several)."""
+        fut = self.submit(model, inputs, timeout)
+        plan = self.models[model]
+        wait = (timeout if timeout is not None else plan.info.timeout_ms / 1e3) + GRACE_S
+        try:
+            return fut.result(wait)
+        except TimeoutError:
+            if fut.done():
+                raise
+            raise RequestTimeout(f"no answer from the worker within {wait:.1f} s") from None
+
+    def submit(self, model: str, inputs: Inputs, timeout: float | None = None) -> Future[Outputs]:
+        """Queue one request; the Future holds the output or a ShmBrokerError."""
+        plan = self._plan(model)
+        arrays = self._arrays(plan, inputs)
+        rows = arrays[0].shape[0]
+        slot = self._acquire(timeout)
+        try:
+            offsets = plan.input_offsets(rows)
+            for k, arr in enumerate(arrays):
+                self.segment.input_view(slot, offsets[k], plan.in_dtypes[k], arr.shape)[...] = arr
+        except BaseException:
+            self._release(slot)
+            raise
+        fut: Future[Outputs] = Future()
+        self._send(slot, plan, rows, timeout, lambda r: self._resolve(fut, plan, r), release=True)
+        return fut
+
+    @contextlib.contextmanager
+    def request(self, model: str, rows: int = 1, timeout: float | None = None) -> Iterator[Request]:
+        """Zero-copy: fill ``req.inputs[name]`` in place, call ``req.run()``, read the outputs in place.
+
+        The views are valid inside the ``with`` block only; the slot is freed when it ends.
+        """
+        plan = self._plan(model)
+        self._check_rows(plan, rows, "rows")
+        slot = self._acquire(timeout)
+        req = Request(self, plan, slot, rows, timeout)
+        try:
+            yield req
+        finally:
+            req.views_gone()
+            if not req.in_flight:
+                self._release(slot)
+
+    def wait_ready(self, model: str, timeout: float = 10.0) -> None:
+        """Block until a worker that serves ``model`` is linked (after a restart, say)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if any(link.up and model in link.models for link in self._snapshot_links()):
+                return
+            with self._slot_cond:
+                self._slot_cond.wait(0.05)
+        raise WorkerDied(f"no live worker serves model {model!r} after {timeout} s")
+
+    def close(self) -> None:
+        """Say BYE, stop the IO thread, unmap the ring. Outstanding requests fail with WorkerDied."""
+        if self._stop.is_set():
+            return
+        self._finalizer()
+        self._fail_all("the client was closed")
+        with contextlib.suppress(zmq.ZMQError):
+            self._ctl.send_multipart(P.encode(P.Bye(self.session_id)))
+        for link in self._snapshot_links():
+            link.close()
+        self._ctx.destroy(linger=200)
+        self.segment.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- submission -------------------------------------------------------------------------------------------
+    def _plan(self, model: str) -> ModelPlan:
+        if os.getpid() != self._pid:
+            raise ShmBrokerError("a Client cannot be used across fork(); create one in the child", "FORKED")
+        plan = self.models.get(model)
+        if plan is None:
+            raise UnknownModel(f"model {model!r} is not served; models are {sorted(self.models)}")
+        return plan
+
+    def _check_rows(self, plan: ModelPlan, rows: int, field: str) -> None:
+        limit = min(plan.info.max_batch, self.max_items)
+        if not 1 <= rows <= limit:
+            raise BadInput(f"{field}: expected 1..{limit} rows (model max_batch {plan.info.max_batch}, this "
+                           f"session's max_items {self.max_items}; see Client(max_items=...)), got {rows}",
+                           "BAD_SHAPE")
+
+    def _arrays(self, plan: ModelPlan, inputs: Inputs) -> list[np.ndarray]:
+        specs = plan.info.inputs
+        if isinstance(inputs, np.ndarray):
+            if len(specs) != 1:
+                raise BadInput(f"model {plan.info.name!r} takes inputs {[s.name for s in specs]}; pass a dict")
+            inputs = {specs[0].name: inputs}
+        extra = set(inputs) - {s.name for s in specs}
+        if extra:
+            raise BadInput(f"inputs {sorted(extra)}: model {plan.info.name!r} has no such input")
+        out = []
+        for k, spec in enumerate(specs):
+            if spec.name not in inputs:
+                raise BadInput(f"inputs[{spec.name!r}] is missing")
+            arr = np.asarray(inputs[spec.name])
+            if arr.dtype != plan.in_dtypes[k]:
+                raise BadInput(f"inputs[{spec.name!r}].dtype: expected {spec.dtype}, got {arr.dtype}", "BAD_DTYPE")
+            if arr.ndim != len(spec.shape) or arr.shape[1:] != plan.in_item_shapes[k]:
+                raise BadInput(f"inputs[{spec.name!r}].shape: expected [N, "
+                               f"{', '.join(map(str, spec.shape[1:]))}], got {list(arr.shape)}", "BAD_SHAPE")
+            if out and arr.shape[0] != out[0].shape[0]:
+                raise BadInput(f"inputs[{spec.name!r}].shape[0]: {arr.shape[0]} rows, first input has "
+                               f"{out[0].shape[0]}", "BAD_SHAPE")
+            self._check_rows(plan, arr.shape[0], f"inputs[{spec.name!r}].shape[0]")
+            out.append(arr)
+        return out
+
+    def _acquire(self, timeout: float | None) -> int:
+        with self._slot_cond:
+            if not self._free and not self._slot_cond.wait_for(lambda: self._free or self._stop.is_set(),
+                                                               timeout if timeout is not None else None):
+                raise RequestTimeout(f"no free slot within {timeout} s (all {len(self._gens)} slots in flight)")
+            if self._stop.is_set():
+                raise WorkerDied("the client is closed")
+            return self._free.pop()
+
+    def _release(self, slot: int) -> None:
+        with self._slot_cond:
+            self._free.append(slot)
+            self._slot_cond.notify()
+
+    def _send(self, slot: int, plan: ModelPlan, rows: int, timeout: float | None,
+              on_done: Callable[[P.Result | ShmBrokerError], None], release: bool) -> None:
+        link = self._choose(plan)
+        if link is None:
+            if release:
+                self._release(slot)
+            raise WorkerDied(f"no live worker serves model {plan.info.name!r} (the broker restarts dead ones)")
+        rid = next(self._ids)
+        gen = self._gens[slot] = (self._gens[slot] + 1) & 0xFFFF_FFFF
+        offsets = plan.input_offsets(rows)
+        tensors = []
+        for k, (item_shape, dt) in enumerate(zip(plan.in_item_shapes, plan.in_dtypes, strict=True)):
+            shape = (rows, *item_shape)
+            nbytes = math.prod(shape) * dt.itemsize
+            tensors.append(P.TensorDesc(k, P.dtype_code(dt), offsets[k], nbytes, shape))
+        self.segment.publish_slot(slot, SlotState.SUBMITTED, gen, rid, 0)
+        timeout_us = 0 if timeout is None else max(1, int(timeout * 1e6))
+        self._pending[slot] = _Pending(rid, gen, plan, link.worker_id, on_done, release)
+        link.outstanding += 1
+        link.queue.append(P.SubmitRequest(rid, slot, gen, plan.info.model_id, timeout_us, tensors))
+        if not getattr(self._cork, "on", False):
+            self._flush(link)
+
+    def _choose(self, plan: ModelPlan) -> Link | None:
+        """The least-outstanding live worker that serves the model."""
+        best = None
+        for link in self._snapshot_links():
+            if link.up and plan.info.name in link.models and (best is None or link.outstanding < best.outstanding):
+                best = link
+        return best
+
+    def _flush(self, link: Link) -> None:
+        # Flat combining: whoever holds the lock sends everything queued, so concurrent submits coalesce.
+        while link.queue:
+            if not link.send_lock.acquire(blocking=False):
+                return
+            try:
+                batch = []
+                while link.queue:
+                    batch.append(link.queue.popleft())
+                if batch and link.up:
+                    link.push.send_multipart(P.encode_submit(P.SubmitBatch(self.session_id, self._token, batch)))
+            finally:
+                link.send_lock.release()
+
+    def _flush_all(self) -> None:
+        for link in self._snapshot_links():
+            self._flush(link)
+
+    def _snapshot_links(self) -> list[Link]:
+        with self._links_lock:
+            return list(self._links.values())
+
+    # -- completion (IO thread) -------------------------------------------------------------------------------
+    def _resolve(self, fut: Future[Outputs], plan: ModelPlan, r: P.Result | ShmBrokerError) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return  # the caller cancelled (asyncio.wait_for, say): the slot is still freed
+        if isinstance(r, ShmBrokerError):
+            fut.set_exception(r)
+        elif r.status != P.Status.OK:
+            fut.set_exception(from_status(r.status, r.message))
+        else:
+            outs = [self.segment.output_view(r.slot, t.offset, plan.out_dtypes[t.index], t.shape).copy()
+                    for t in r.tensors]
+            specs = plan.info.outputs
+            fut.set_result(outs[0] if len(specs) == 1 else {s.name: o for s, o in zip(specs, outs, strict=True)})
+
+    def _io_loop(self) -> None:
+        """(1) poll, (2) DONEs from workers, (3) notices from the broker, (4) links coming up."""
+        poller: zmq.Poller | None = None
+        links: list[Link] = []
+        try:
+            while not self._stop.is_set():
+                if poller is None or self._links_changed:
+                    poller, links = self._make_poller()
+                events = dict(poller.poll(100))  # (1)
+                for link in links:
+                    if link.pull in events:
+                        self._drain_done(link)  # (2)
+                    if link.monitor in events and link.handshake_done():  # (4)
+                        self._links_changed = True
+                        with self._slot_cond:
+                            self._slot_cond.notify_all()
+                if self._ctl in events:
+                    self._drain_control()  # (3)
+                if self._wake_rx in events:
+                    with contextlib.suppress(zmq.Again):
+                        while True:
+                            self._wake_rx.recv(zmq.NOBLOCK)
+        except zmq.ContextTerminated:
+            return
+
+    def _make_poller(self) -> tuple[zmq.Poller, list[Link]]:
+        self._links_changed = False
+        links = self._snapshot_links()
+        poller = zmq.Poller()
+        poller.register(self._ctl, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        for link in links:
+            poller.register(link.pull, zmq.POLLIN)
+            if not link.up:
+                poller.register(link.monitor, zmq.POLLIN)
+        return poller, links
+
+    def _drain_done(self, link: Link) -> None:
+        self._cork.on = True  # submits made by callbacks coalesce into one message per worker
+        try:
+            for _ in range(64):
+                if not link.pull.get(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                frames = link.pull.recv_multipart(zmq.NOBLOCK)
+                try:
+                    if P.read_envelope(frames) != P.MsgKind.DONE:
+                        raise P.ProtocolError("a reply socket carries only DONE")
+                    done = P.decode_done(frames[1])
+                except P.ProtocolError as exc:
+                    log.error("malformed DONE from worker %d: %s", link.worker_id, exc)
+                    continue
+                for r in done.results:
+                    self._complete(link, r)
+        finally:
+            self._cork.on = False
+        self._flush_all()
+
+    def _complete(self, link: Link, r: P.Result | ShmBrokerError, slot: int | None = None) -> None:
+        slot = r.slot if isinstance(r, P.Result) else slot
+        if slot is None:
+            return
+        p = self._pending.get(slot)
+        if p is None or (isinstance(r, P.Result) and (p.request_id != r.request_id or p.generation != r.generation)):
+            log.debug("ignored a result for slot %s that is not in flight", slot)
+            return
+        del self._pending[slot]
+        link.outstanding -= 1
+        try:
+            p.on_done(r)
+        finally:
+            if p.release:
+                self._release(slot)
+
+    def _drain_control(self) -> None:
+        while True:
+            try:
+                frames = self._ctl.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = P.decode(frames)
+            except P.ProtocolError as exc:
+                log.error("malformed message from the broker: %s", exc)
+                continue
+            if isinstance(msg, P.WorkerDown):
+                self._worker_down(msg.worker_id, msg.reason)
+            elif isinstance(msg, P.WorkerUp):
+                self._worker_up(msg.worker)
+
+    def _worker_down(self, worker_id: int, reason: str) -> None:
+        with self._links_lock:
+            link = self._links.pop(worker_id, None)
+        if link is None:
+            return
+        self._links_changed = True
+        link.close()
+        err = f"worker {worker_id} died ({reason})"
+        for slot, p in list(self._pending.items()):
+            if p.worker_id == worker_id:
+                self._complete(link, WorkerDied(err), slot)
+        log.warning("%s", err)
+
+    def _worker_up(self, info: P.WorkerInfo) -> None:
+        old = None
+        with self._links_lock:
+            old = self._links.pop(info.worker_id, None)
+        if old is not None:
+            self._worker_down(info.worker_id, "replaced")
+            old.close()
+        link = Link(self._ctx, info)
+        with self._links_lock:
+            self._links[info.worker_id] = link
+        self._links_changed = True
+
+    def _wait_links_up(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        for link in self._snapshot_links():
+            while not link.handshake_done():
+                left = end - time.monotonic()
+                if left <= 0 or not link.monitor.poll(int(left * 1000)):
+                    break
+
+    def _fail_all(self, why: str) -> None:
+        for link in self._snapshot_links():
+            for slot, p in list(self._pending.items()):
+                if p.worker_id == link.worker_id:
+                    self._complete(link, WorkerDied(why), slot)
+
+    def _wake(self) -> None:
+        with self._wake_lock, contextlib.suppress(zmq.ZMQError):
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+
+    @staticmethod
+    def _shutdown(stop: threading.Event, io: threading.Thread, wake: Callable[[], None]) -> None:
+        stop.set()
+        wake()
+        if io is not threading.current_thread():
+            io.join(timeout=5)
+
+
+class Request:
+    """A held slot for zero-copy use: write ``inputs`` in place, ``run()``, then read the outputs in place."""
+
+    def __init__(self, client: Client, plan: ModelPlan, slot: int, rows: int, timeout: float | None) -> None:
+        self._client = client
+        self._plan = plan
+        self._slot = slot
+        self._rows = rows
+        self._timeout = timeout
+        self.in_flight = False
+        offsets = plan.input_offsets(rows)
+        self.inputs: dict[str, np.ndarray] = {
+            s.name: client.segment.input_view(slot, offsets[k], plan.in_dtypes[k], (rows, *plan.in_item_shapes[k]))
+            for k, s in enumerate(plan.info.inputs)
+        }
+        self.outputs: dict[str, np.ndarray] = {}
+
+    def run(self) -> Outputs:
+        """Send the slot as it is and wait; the result views point into the slot (no copy)."""
+        done: Future[P.Result | ShmBrokerError] = Future()
+        self.in_flight = True
+        self._client._send(self._slot, self._plan, self._rows, self._timeout, done.set_result, release=False)
+        wait = (self._timeout if self._timeout is not None else self._plan.info.timeout_ms / 1e3) + GRACE_S
+        try:
+            r = done.result(wait)
+        except TimeoutError:
+            raise RequestTimeout(f"no answer from the worker within {wait:.1f} s") from None
+        self.in_flight = False
+        if isinstance(r, ShmBrokerError):
+            raise r
+        if r.status != P.Status.OK:
+            raise from_status(r.status, r.message)
+        specs = self._plan.info.outputs
+        seg = self._client.segment
+        self.outputs = {
+            specs[t.index].name: seg.output_view(self._slot, t.offset, self._plan.out_dtypes[t.index], t.shape)
+            for t in r.tensors
+        }
+        return next(iter(self.outputs.values())) if len(specs) == 1 else dict(self.outputs)
+
+    def views_gone(self) -> None:
+        self.inputs.clear()
+        self.outputs.clear()

@@ -1,0 +1,133 @@
+"""The client side of the handshake (HELLO -> SETUP -> ATTACHED -> READY) and the per-worker links."""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from broker import protocol as P
+from broker import runtime
+from broker.ring import RingLayout, Segment, pack_offsets
+from client.errors import HandshakeError
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """A model as the client sees it, with the packing of its inputs precomputed."""
+
+    info: P.ModelInfo
+    in_dtypes: list[np.dtype[Any]]
+    in_item_shapes: list[tuple[int, ...]]
+    out_dtypes: list[np.dtype[Any]]
+
+    @classmethod
+    def of(cls, info: P.ModelInfo) -> ModelPlan:
+        return cls(
+            info, [np.dtype(s.dtype) for s in info.inputs], [tuple(s.shape[1:]) for s in info.inputs],
+            [np.dtype(s.dtype) for s in info.outputs],
+        )
+
+    def input_offsets(self, rows: int) -> list[int]:
+        sizes = [rows * math.prod(s) * d.itemsize for s, d in zip(self.in_item_shapes, self.in_dtypes, strict=True)]
+        return pack_offsets(sizes)[0]
+
+
+class Link:
+    """The client's two sockets to one worker: SUBMITs out (PUSH), DONEs in (PULL).
+
+    Invariant: ``push`` is used only under ``send_lock``; ``pull`` only by the client's IO thread.
+    """
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], info: P.WorkerInfo) -> None:
+        self.info = info
+        self.worker_id = info.worker_id
+        self.models = set(info.models)
+        self.outstanding = 0
+        self.up = False
+        self.send_lock = threading.Lock()
+        self.queue: collections.deque[P.SubmitRequest] = collections.deque()
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
+        self.monitor = self.pull.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.pull.connect(info.reply_endpoint)
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.setsockopt(zmq.SNDHWM, 0)  # the ring's slots bound what is in flight
+        self.push.connect(info.endpoint)
+
+    def handshake_done(self) -> bool:
+        """Consume monitor events; True once the reply connection is up (DONEs can reach us)."""
+        while True:
+            try:
+                self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return self.up
+            self.up = True
+
+    def close(self) -> None:
+        with self.send_lock:
+            self.up = False
+            self.push.close(0)
+        self.pull.disable_monitor()
+        self.monitor.close(0)
+        self.pull.close(0)
+
+
+@dataclass
+class Handshake:
+    setup: P.Setup
+    ready: P.Ready
+    segment: Segment
+
+
+def _recv(sock: zmq.Socket[bytes], until: float, step: str) -> list[bytes]:
+    remaining = until - time.monotonic()
+    if remaining <= 0 or not sock.poll(int(remaining * 1000)):
+        raise HandshakeError(
+            f"no {step} from the broker in time; is `shmbroker serve` running on this runtime dir? "
+            "(raise Client(connect_timeout=...) for a slow start)", "HANDSHAKE_TIMEOUT")
+    return sock.recv_multipart()
+
+
+def _expect(frames: list[bytes], kind: type[P.T]) -> P.T:
+    msg = P.decode(frames)
+    if isinstance(msg, P.ErrorReply):
+        raise HandshakeError(msg.message, msg.code)
+    if not isinstance(msg, kind):
+        raise HandshakeError(f"expected {kind.__name__}, got {type(msg).__name__}", "BAD_MESSAGE")
+    return msg
+
+
+def handshake(ctl: zmq.Socket[bytes], slots: int, max_items: int, name: str, timeout: float) -> Handshake:
+    """Run the session handshake on a connected control socket; HandshakeError names the step that failed."""
+    until = time.monotonic() + timeout
+    ctl.send_multipart(P.encode(P.Hello(P.PROTOCOL_VERSION, os.getpid(), slots, max_items, name)))
+    setup = _expect(_recv(ctl, until, "SETUP"), P.Setup)
+    layout = RingLayout(setup.session_id, setup.n_slots, setup.in_capacity, setup.out_capacity)
+    if layout.slot_stride != setup.slot_stride or layout.total_bytes != setup.segment_bytes:
+        raise HandshakeError("SETUP describes a ring layout this client does not derive", "BAD_LAYOUT")
+    segment = Segment.open(setup.segment, layout)
+    try:
+        ctl.send_multipart(P.encode(P.Attached(setup.session_id)))
+        ready = _expect(_recv(ctl, until, "READY"), P.Ready)
+    except BaseException:
+        segment.close()
+        raise
+    return Handshake(setup, ready, segment)
+
+
+def control_socket(ctx: zmq.Context[zmq.Socket[bytes]], runtime_dir: Path) -> zmq.Socket[bytes]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 500)  # so a BYE still leaves when the client closes
+    sock.connect(runtime.endpoint(runtime_dir, runtime.CONTROL_SOCKET))
+    return sock

@@ -1,0 +1,1 @@
+"""The worker process: one per device. Engines, the dynamic batcher and the receive/batch/launch/complete loop."""

@@ -1,0 +1,156 @@
+"""The dynamic batcher of one model: a bounded FIFO that hands out batches by Triton's rules.
+
+Invariant: a request is in the queue, or in exactly one batch, or answered expired; never two of these.
+A batch forms at once when ``max_batch`` items wait or a preferred size is reached, else when the oldest
+request has waited ``max_queue_delay_us``. Requests past their deadline are never put in a batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Queued(Generic[T]):
+    item: T
+    items: int  # batch rows this request brings
+    deadline: float  # time.monotonic() seconds
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class Take(Generic[T]):
+    batch: list[Queued[T]]
+    expired: list[Queued[T]]
+
+
+class Batcher(Generic[T]):
+    """Thread-safe: ``put`` and ``expire`` from the intake thread, ``take`` from the model's runner."""
+
+    def __init__(
+        self, max_batch: int, max_queue_delay_us: int, preferred: list[int], max_queue_size: int
+    ) -> None:
+        self.max_batch = max_batch
+        self.delay = max_queue_delay_us / 1e6
+        self.preferred = sorted(set(preferred))
+        self.max_queue_size = max_queue_size
+        self._q: deque[Queued[T]] = deque()
+        self._items = 0
+        self._cond = threading.Condition(threading.Lock())
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def put(self, entry: Queued[T], wake: bool = True) -> bool:
+        """Queue a request; False when the queue is full (the caller answers OVERLOADED).
+
+        ``wake=False`` leaves the runner asleep: the caller will run the batch itself or ``kick()``.
+        """
+        with self._cond:
+            if self._closed or len(self._q) >= self.max_queue_size:
+                return False
+            self._q.append(entry)
+            self._items += entry.items
+            if wake:
+                self._cond.notify()
+        return True
+
+    def kick(self) -> None:
+        """Wake the runner if anything is queued."""
+        with self._cond:
+            if self._q:
+                self._cond.notify()
+
+    def expire(self, now: float) -> list[Queued[T]]:
+        """Remove and return every request whose deadline has passed."""
+        with self._cond:
+            return self._drop_expired(now)
+
+    def next_deadline(self) -> float | None:
+        with self._cond:
+            return min((e.deadline for e in self._q), default=None)
+
+    def close(self) -> list[Queued[T]]:
+        """Stop handing out batches; return what was still queued (the caller answers it)."""
+        with self._cond:
+            self._closed = True
+            left = list(self._q)
+            self._q.clear()
+            self._items = 0
+            self._cond.notify_all()
+        return left
+
+    def take_now(self) -> Take[T] | None:
+        """A batch if one is due right now (or requests expired), else None; never blocks."""
+        with self._cond:
+            now = time.monotonic()
+            expired = self._drop_expired(now)
+            if self._q and self._due_in(now) <= 0.0:
+                return Take(self._pop_batch(), expired)
+            return Take([], expired) if expired else None
+
+    def take(self, timeout: float | None = None) -> Take[T] | None:
+        """Block until a batch is due (or requests expired); None after ``timeout`` or once closed."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                expired = self._drop_expired(now)
+                wait = self._due_in(now)
+                if wait <= 0.0:
+                    return Take(self._pop_batch(), expired)
+                if expired:
+                    return Take([], expired)
+                if end is not None:
+                    if now >= end:
+                        return None
+                    wait = min(wait, end - now)
+                self._cond.wait(None if wait == float("inf") else wait)
+        return None
+
+    # -- policy ---------------------------------------------------------------------------------------
+    def _due_in(self, now: float) -> float:
+        """Seconds until a batch is due: 0 now, inf while the queue is empty."""
+        if not self._q:
+            return float("inf")
+        if self._items >= self.max_batch or (self.preferred and self._items >= self.preferred[0]):
+            return 0.0
+        wait_until = self._q[0].enqueued + self.delay
+        soonest_deadline = min(e.deadline for e in self._q)
+        return max(0.0, min(wait_until, soonest_deadline) - now)
+
+    def _target(self) -> int:
+        """How many items the next batch takes: the largest preferred size that is reached, or all."""
+        reached = [p for p in self.preferred if p <= self._items]
+        if reached and self._items < self.max_batch:
+            return reached[-1]
+        return self.max_batch
+
+    def _pop_batch(self) -> list[Queued[T]]:
+        target = self._target()
+        batch: list[Queued[T]] = []
+        rows = 0
+        while self._q and rows + self._q[0].items <= target:
+            e = self._q.popleft()
+            rows += e.items
+            batch.append(e)
+        if not batch and self._q:  # never starve a request that alone exceeds a preferred size
+            batch.append(self._q.popleft())
+            rows = batch[0].items
+        self._items -= rows
+        return batch
+
+    def _drop_expired(self, now: float) -> list[Queued[T]]:
+        if not self._q or min(e.deadline for e in self._q) > now:
+            return []
+        expired = [e for e in self._q if e.deadline <= now]
+        self._q = deque(e for e in self._q if e.deadline > now)
+        self._items -= sum(e.items for e in expired)
+        return expired

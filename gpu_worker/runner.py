@@ -1,0 +1,176 @@
+"""One model's runner thread: take a batch, gather it from the slots, run the engine, write results back."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from broker import protocol as P
+from broker.ring import SlotState
+from gpu_worker.batcher import Batcher, Queued, Take
+from gpu_worker.engines.base import Engine
+from gpu_worker.intake import ModelView, input_arrays, out_layout
+from gpu_worker.sessions import WorkerSession
+
+log = logging.getLogger(__name__)
+
+INLINE_BELOW_S = 200e-6
+
+
+@dataclass(slots=True)
+class Work:
+    """A checked request waiting for, or in, a batch; its slot is claimed in ``session.in_flight``."""
+
+    session: WorkerSession
+    req: P.SubmitRequest
+    rows: int
+
+
+class ModelCounters:
+    """Per-model counters: requests by status, batches by row count. Written by the intake and runner threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: Counter[str] = Counter()
+        self.batch_rows: Counter[int] = Counter()
+
+    def count(self, status: P.Status, n: int = 1) -> None:
+        with self._lock:
+            self.requests[status.name] += n
+
+    def batch(self, rows: int) -> None:
+        with self._lock:
+            self.batch_rows[rows] += 1
+
+    def snapshot(self, name: str, queue_depth: int) -> P.ModelStats:
+        with self._lock:
+            return P.ModelStats(
+                name=name, requests=dict(self.requests), batches=sum(self.batch_rows.values()),
+                batch_items={str(k): v for k, v in sorted(self.batch_rows.items())}, queue_depth=queue_depth,
+            )
+
+
+def reply(works: list[Work], status: P.Status, message: str) -> None:
+    """Answer each request with an error: mark its slot FAILED, send one DONE per session, free the slots."""
+    by_session: dict[WorkerSession, list[P.Result]] = defaultdict(list)
+    for w in works:
+        w.session.segment.set_state(w.req.slot, SlotState.FAILED, status)
+        by_session[w.session].append(P.Result(w.req.request_id, w.req.slot, w.req.generation, status, [], message))
+    _send(by_session)
+
+
+def _send(by_session: dict[WorkerSession, list[P.Result]]) -> None:
+    for session, results in by_session.items():
+        session.finish([r.slot for r in results], P.encode_done(P.DoneBatch(session.session_id, results)))
+
+
+class ModelRunner:
+    """Steps of the loop: (1) take a batch, (2) answer the expired, (3) gather, (4) run, (5) complete."""
+
+    def __init__(self, model: ModelView, engine: Engine, batcher: Batcher[Work], counters: ModelCounters) -> None:
+        self.model = model
+        self.engine = engine
+        self.batcher = batcher
+        self.counters = counters
+        self._stop = threading.Event()
+        self._bufs = [np.empty((model.max_batch, *s.item_shape), dtype=s.dtype) for s in model.inputs]
+        self._codes = [P.dtype_code(s.dtype) for s in model.outputs]
+        self._busy = threading.Lock()  # held while a batch runs, on the runner or inline
+        self.avg_run_s = INLINE_BELOW_S  # moving average of gather+run; starts at "not cheap"
+        self._thread = threading.Thread(target=self._loop, name=f"runner-{model.name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        left = self.batcher.close()
+        self._thread.join(timeout=30)
+        self.answer_expired(left, P.Status.SHUTTING_DOWN, "the worker is shutting down")
+
+    def answer_expired(self, entries: list[Queued[Work]], status: P.Status, message: str) -> None:
+        if entries:
+            self.counters.count(status, len(entries))
+            reply([e.item for e in entries], status, message)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            take = self.batcher.take(timeout=0.5)  # (1)
+            if take is not None:
+                with self._busy:
+                    self._run(take)
+
+    def try_inline(self) -> bool:
+        """Run a due batch on the caller's (intake) thread when the model is cheap and the runner idle.
+
+        For a model whose batches take less than ``INLINE_BELOW_S``, handing the batch to the runner thread
+        costs more than running it; a slow model is always left to its runner so intake never stalls.
+        """
+        if not self.cheap or not self._busy.acquire(blocking=False):
+            self.batcher.kick()
+            return False
+        try:
+            take = self.batcher.take_now()
+            if take is None:
+                return False
+            self._run(take)
+            return True
+        finally:
+            self._busy.release()
+
+    @property
+    def cheap(self) -> bool:
+        return self.avg_run_s < INLINE_BELOW_S
+
+    def _run(self, take: Take[Work]) -> None:
+        self.answer_expired(take.expired, P.Status.TIMEOUT, f"deadline passed before model "
+                            f"{self.model.name!r} could run it")  # (2)
+        if not take.batch:
+            return
+        works = [e.item for e in take.batch]
+        t0 = time.perf_counter()
+        try:
+            feeds, rows = self._gather(works)  # (3)
+            outputs = self.engine.run(feeds)  # (4)
+        except Exception as exc:  # an engine failure fails this batch, not the worker
+            log.exception("model %s failed a batch of %d requests", self.model.name, len(works))
+            self.counters.count(P.Status.INTERNAL, len(works))
+            reply(works, P.Status.INTERNAL, f"model {self.model.name!r} failed: {type(exc).__name__}")
+            return
+        self.avg_run_s += (time.perf_counter() - t0 - self.avg_run_s) * 0.1
+        self.counters.batch(rows)
+        self._complete(works, outputs)  # (5)
+
+    def _gather(self, works: list[Work]) -> tuple[dict[str, np.ndarray], int]:
+        names = [s.name for s in self.model.inputs]
+        if len(works) == 1:  # the slot itself is the batch: no copy
+            w = works[0]
+            return dict(zip(names, input_arrays(w.session, w.req, self.model), strict=True)), w.rows
+        row = 0
+        for w in works:
+            for buf, view in zip(self._bufs, input_arrays(w.session, w.req, self.model), strict=True):
+                buf[row : row + w.rows] = view
+            row += w.rows
+        return {n: b[:row] for n, b in zip(names, self._bufs, strict=True)}, row
+
+    def _complete(self, works: list[Work], outputs: list[np.ndarray]) -> None:
+        by_session: dict[WorkerSession, list[P.Result]] = defaultdict(list)
+        row = 0
+        for w in works:
+            offsets, _end = out_layout(self.model.outputs, w.rows)
+            descs = []
+            for k, (arr, spec) in enumerate(zip(outputs, self.model.outputs, strict=True)):
+                shape = (w.rows, *spec.item_shape)
+                dst = w.session.segment.output_view(w.req.slot, offsets[k], spec.dtype, shape)
+                dst[...] = arr[row : row + w.rows]
+                descs.append(P.TensorDesc(k, self._codes[k], offsets[k], dst.nbytes, shape))
+            row += w.rows
+            w.session.segment.set_state(w.req.slot, SlotState.DONE, P.Status.OK)
+            by_session[w.session].append(P.Result(w.req.request_id, w.req.slot, w.req.generation, P.Status.OK, descs))
+        self.counters.count(P.Status.OK, len(works))
+        _send(by_session)

@@ -1,0 +1,85 @@
+"""A worker's view of one client session: its mapped ring, its reply socket and its slots in flight."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from pathlib import Path
+
+import zmq
+
+from broker import protocol as P
+from broker import runtime
+from broker.ring import RingLayout, Segment
+
+log = logging.getLogger(__name__)
+
+# A reply socket whose client has gone away must not stall a runner thread for long.
+SEND_TIMEOUT_MS = 100
+
+
+class WorkerSession:
+    """Invariant: a slot is in ``in_flight`` from intake until its DONE is sent; release waits for none left."""
+
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], msg: P.Attach, worker_id: int, runtime_dir: Path,
+        mode: int, gid: int | None,
+    ) -> None:
+        self.session_id = msg.session_id
+        self.token = msg.token
+        self.max_items = msg.max_items
+        layout = RingLayout(msg.session_id, msg.n_slots, msg.in_capacity, msg.out_capacity)
+        self.segment = Segment.open(msg.segment, layout)
+        self.layout = layout
+        self.in_flight: set[int] = set()
+        self.detaching = False
+        self._lock = threading.Lock()
+        self._unreachable = False
+        name = runtime.reply_socket_name(worker_id, msg.session_id, secrets.token_hex(6))
+        self.reply_endpoint = runtime.endpoint(runtime_dir, name)
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the ring's slots, not by ZeroMQ
+        self._sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        try:
+            self._sock.bind(self.reply_endpoint)
+            runtime.secure_socket_file(self.reply_endpoint, mode, gid)
+        except BaseException:
+            self._sock.close()
+            self.segment.close()
+            raise
+
+    def finish(self, slots: list[int], frames: list[bytes]) -> None:
+        """Free the slots and send their DONE as one step, so no one sees a free slot before its DONE left.
+
+        A client that never connected or went away costs one short timeout, then nothing.
+        """
+        with self._lock:
+            self.in_flight.difference_update(slots)
+            if self._unreachable:
+                return
+            try:
+                self._sock.send_multipart(frames, copy=False)
+            except zmq.Again:
+                self._unreachable = True
+                log.warning("session %d does not read its replies; dropping them until it is detached",
+                            self.session_id)
+
+    def claim_slot(self, slot: int) -> bool:
+        with self._lock:
+            if slot in self.in_flight:
+                return False
+            self.in_flight.add(slot)
+            return True
+
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return not self.in_flight
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close(linger=0)
+            runtime.remove_socket_file(self.reply_endpoint)
+        self.segment.close()

@@ -1,0 +1,24 @@
+"""Warm-up: run each model once at the smallest and largest batch and check what comes out."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpu_worker.engines.base import Engine, EngineError
+from gpu_worker.intake import ModelView
+
+
+def warm_up(engine: Engine, model: ModelView) -> None:
+    """Raise EngineError unless batches of 1 and max_batch rows give outputs of the declared shapes."""
+    for rows in sorted({1, model.max_batch}):
+        feeds = {s.name: np.zeros((rows, *s.item_shape), dtype=s.dtype) for s in model.inputs}
+        outputs = engine.run(feeds)
+        if len(outputs) != len(model.outputs):
+            raise EngineError(f"model {model.name!r} returned {len(outputs)} outputs, declared {len(model.outputs)}")
+        for arr, spec in zip(outputs, model.outputs, strict=True):
+            want = (rows, *spec.item_shape)
+            if tuple(arr.shape) != want or arr.dtype != spec.dtype:
+                raise EngineError(
+                    f"model {model.name!r} output {spec.name!r} came back {arr.dtype}{list(arr.shape)}, "
+                    f"declared {spec.dtype}{list(want)}"
+                )

@@ -1,0 +1,278 @@
+"""The worker's logic: models, intake of SUBMITs, control messages from the broker. Runs in any thread.
+
+The IO loop (this class) owns the data PULL socket and the control DEALER; each model's runner thread
+owns its batches. ``gpu_worker.__main__`` wraps this in a process; the broker's thread mode runs it inline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from broker import protocol as P
+from broker import runtime
+from broker.config import Config
+from broker.ring import RingError, SlotState
+from gpu_worker import model_source
+from gpu_worker.batcher import Batcher, Queued
+from gpu_worker.engines import Engine, IOSpec, load_engine
+from gpu_worker.intake import ModelView, Rejected, check_slot, check_tensors
+from gpu_worker.runner import ModelCounters, ModelRunner, Work
+from gpu_worker.sessions import WorkerSession
+from gpu_worker.warmup import warm_up
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 20
+
+
+class RateLimitedLog:
+    """One log line per ``interval`` seconds for a flood of bad messages, with the count of those dropped."""
+
+    def __init__(self, interval: float = 5.0) -> None:
+        self.interval = interval
+        self._last = 0.0
+        self._dropped = 0
+
+    def warning(self, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.interval:
+            log.warning(fmt + " (%d similar dropped)", *args, self._dropped)
+            self._last = now
+            self._dropped = 0
+        else:
+            self._dropped += 1
+
+
+class ServedModel:
+    def __init__(self, view: ModelView, engine: Engine, runner: ModelRunner) -> None:
+        self.view = view
+        self.engine = engine
+        self.runner = runner
+
+
+def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
+    """Load, check and warm up every configured model; EngineError names the model that failed."""
+    served: dict[int, ServedModel] = {}
+    for model_id, (name, mc) in enumerate(cfg.models.items()):
+        t0 = time.monotonic()
+        engine = load_engine(
+            mc.engine, model_source.resolve(cfg.model_path(name)), device=device, intra_op_threads=mc.intra_op_threads
+        )
+        view = ModelView(model_id, name, mc.max_batch, engine.inputs, engine.outputs, mc.timeout_ms)
+        if mc.warmup:
+            warm_up(engine, view)
+        batcher: Batcher[Work] = Batcher(mc.max_batch, mc.max_queue_delay_us, mc.preferred_batch_sizes,
+                                         mc.max_queue_size)
+        runner = ModelRunner(view, engine, batcher, ModelCounters())
+        served[model_id] = ServedModel(view, engine, runner)
+        log.info("model %s ready on %s in %.2f s", name, device, time.monotonic() - t0)
+    return served
+
+
+class Worker:
+    """Invariant: every SUBMIT entry that names a live session is answered exactly once (DONE with a status)."""
+
+    def __init__(self, cfg: Config, worker_id: int, runtime_dir: Path, restarts: int = 0) -> None:
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.device = str(cfg.worker.devices[worker_id])
+        self.runtime_dir = runtime_dir
+        self.restarts = restarts
+        self.endpoint = runtime.worker_endpoint(runtime_dir, worker_id)
+        self.models: dict[int, ServedModel] = {}
+        self.sessions: dict[int, WorkerSession] = {}
+        self._detaching: set[int] = set()
+        self._badlog = RateLimitedLog()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._ctl = self._ctx.socket(zmq.DEALER)
+        self._data = self._ctx.socket(zmq.PULL)
+        for s in (self._ctl, self._data):
+            s.setsockopt(zmq.LINGER, 0)
+        self._data.setsockopt(zmq.RCVHWM, 0)
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> int:
+        """Load models, say READY to the broker, then serve until ``stop`` or SHUTDOWN. Returns an exit code."""
+        self._ctl.connect(runtime.endpoint(self.runtime_dir, runtime.WORKERS_SOCKET))
+        self._send_ctl(P.WorkerHello(P.PROTOCOL_VERSION, self.worker_id, os.getpid()))
+        try:
+            self.models = build_models(self.cfg, self.device)
+        except Exception as exc:  # any load failure is reported to the broker, which shows it in health
+            log.error("worker %d could not load its models: %s", self.worker_id, exc)
+            self._send_ctl(P.WorkerFailed(self.worker_id, f"{type(exc).__name__}: {exc}"))
+            self._close()
+            return 3
+        self._data.bind(self.endpoint)
+        runtime.secure_socket_file(self.endpoint, self.cfg.file_mode, self.cfg.group_id())
+        for m in self.models.values():
+            m.runner.start()
+        infos = [_model_info(m.view) for m in self.models.values()]
+        self._send_ctl(P.WorkerReady(self.worker_id, self.endpoint, infos))
+        try:
+            self._serve(stop)
+        finally:
+            self._close()
+        return 0
+
+    def _serve(self, stop: threading.Event) -> None:
+        poller = zmq.Poller()
+        poller.register(self._data, zmq.POLLIN)
+        poller.register(self._ctl, zmq.POLLIN)
+        parent = os.getppid()
+        while not stop.is_set():
+            events = dict(poller.poll(POLL_MS))
+            if self._data in events:
+                self._drain_data()
+                for m in self.models.values():
+                    m.runner.try_inline()
+            if self._ctl in events and not self._drain_control():
+                return
+            self._sweep()
+            if self.cfg.broker.worker_mode == "process" and os.getppid() != parent:
+                log.error("the broker (pid %d) is gone; worker %d exits", parent, self.worker_id)
+                return
+
+    def _close(self) -> None:
+        for m in self.models.values():
+            m.runner.stop()
+            m.engine.close()
+        for s in self.sessions.values():
+            s.close()
+        self.sessions.clear()
+        runtime.remove_socket_file(self.endpoint)
+        self._ctx.destroy(linger=1000)  # lets a last WORKER_FAILED reach the broker
+
+    # -- data plane ----------------------------------------------------------------------------------------
+    def _drain_data(self) -> None:
+        for _ in range(256):  # bounded, so control messages are not starved
+            if not self._data.get(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a zmq.Again per drain
+                return
+            self.on_submit(self._data.recv_multipart(zmq.NOBLOCK))
+
+    def on_submit(self, frames: list[bytes]) -> None:
+        """Check and queue every request of one SUBMIT; answer the rejected ones at once."""
+        try:
+            if P.read_envelope(frames) != P.MsgKind.SUBMIT:
+                raise P.ProtocolError("the data socket takes only SUBMIT")
+            batch = P.decode_submit(frames[1])
+        except P.ProtocolError as exc:
+            self._badlog.warning("dropped a malformed data message: %s", exc)
+            return
+        session = self.sessions.get(batch.session_id)
+        if session is None or session.token != batch.token or session.detaching:
+            self._badlog.warning("dropped a SUBMIT for session %d: unknown, detaching, or wrong token",
+                                 batch.session_id)
+            return
+        rejected: list[P.Result] = []
+        freed: list[int] = []  # slots this message claimed and that are answered now
+        now = time.monotonic()
+        for req in batch.requests:
+            try:
+                self._admit(session, req, now)
+            except Rejected as rej:
+                rejected.append(P.Result(req.request_id, req.slot, req.generation, rej.status, [], rej.message))
+                if rej.claimed:
+                    session.segment.set_state(req.slot, SlotState.FAILED, rej.status)
+                    freed.append(req.slot)
+        if rejected:
+            session.finish(freed, P.encode_done(P.DoneBatch(session.session_id, rejected)))
+
+    def _admit(self, session: WorkerSession, req: P.SubmitRequest, now: float) -> None:
+        """Queue one request, or raise Rejected (``claimed`` set when the slot was taken)."""
+        model = self.models.get(req.model_id)
+        if model is None:
+            raise Rejected(P.Status.UNKNOWN_MODEL, f"model_id {req.model_id} is not served by this worker")
+        counters = model.runner.counters
+        try:
+            check_slot(session, req)
+            rows = check_tensors(session, req, model.view)
+        except Rejected as rej:
+            counters.count(rej.status)
+            raise
+        timeout = req.timeout_us / 1e6 if req.timeout_us else model.view.timeout_ms / 1e3
+        entry = Queued(Work(session, req, rows), rows, now + timeout, now)
+        if not model.runner.batcher.put(entry, wake=not model.runner.cheap):
+            counters.count(P.Status.OVERLOADED)
+            raise Rejected(P.Status.OVERLOADED, f"model {model.view.name!r} has {model.runner.batcher.max_queue_size}"
+                           " requests queued (models.*.max_queue_size)", claimed=True)
+
+    def _sweep(self) -> None:
+        """Answer queued requests whose deadline passed, and finish detaches that waited for in-flight work."""
+        now = time.monotonic()
+        for m in self.models.values():
+            m.runner.answer_expired(m.runner.batcher.expire(now), P.Status.TIMEOUT,
+                                    f"deadline passed while queued for model {m.view.name!r}")
+        for sid in list(self._detaching):
+            s = self.sessions.get(sid)
+            if s is None or s.idle:
+                self._detaching.discard(sid)
+                if s is not None:
+                    s.close()
+                    del self.sessions[sid]
+                self._send_ctl(P.DetachOk(sid))
+
+    # -- control plane -------------------------------------------------------------------------------------
+    def _drain_control(self) -> bool:
+        while True:
+            try:
+                frames = self._ctl.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            try:
+                msg = P.decode(frames)
+            except P.ProtocolError as exc:
+                log.error("bad control message from the broker: %s", exc)
+                continue
+            if isinstance(msg, P.Shutdown):
+                log.info("worker %d shutting down on the broker's request", self.worker_id)
+                return False
+            self._on_control(msg)
+
+    def _on_control(self, msg: object) -> None:
+        if isinstance(msg, P.Attach):
+            self._attach(msg)
+        elif isinstance(msg, P.Detach):
+            s = self.sessions.get(msg.session_id)
+            if s is not None:
+                s.detaching = True
+            self._detaching.add(msg.session_id)
+        elif isinstance(msg, P.WorkerStatsRequest):
+            self._send_ctl(P.WorkerStatsReply(msg.request_id, self.stats()))
+        else:
+            log.error("unexpected control message %s", type(msg).__name__)
+
+    def _attach(self, msg: P.Attach) -> None:
+        if msg.session_id in self.sessions:
+            self._send_ctl(P.AttachOk(msg.session_id, self.sessions[msg.session_id].reply_endpoint))
+            return
+        try:
+            s = WorkerSession(self._ctx, msg, self.worker_id, self.runtime_dir, self.cfg.file_mode,
+                              self.cfg.group_id())
+        except (OSError, RingError, zmq.ZMQError) as exc:
+            log.error("cannot attach session %d: %s", msg.session_id, exc)
+            self._send_ctl(P.ErrorReply("ATTACH_FAILED", f"session {msg.session_id}: {exc}"))
+            return
+        self.sessions[msg.session_id] = s
+        self._send_ctl(P.AttachOk(msg.session_id, s.reply_endpoint))
+
+    def stats(self) -> P.WorkerStats:
+        models = [m.runner.counters.snapshot(m.view.name, len(m.runner.batcher)) for m in self.models.values()]
+        return P.WorkerStats(self.worker_id, os.getpid(), self.restarts, models)
+
+    def _send_ctl(self, msg: P.msgspec.Struct) -> None:
+        self._ctl.send_multipart(P.encode(msg))
+
+
+def _spec(s: IOSpec) -> P.TensorSpec:
+    return P.TensorSpec(s.name, s.dtype.name, list(s.shape))
+
+
+def _model_info(v: ModelView) -> P.ModelInfo:
+    return P.ModelInfo(v.model_id, v.name, v.max_batch, [_spec(s) for s in v.inputs],
+                       [_spec(s) for s in v.outputs], v.timeout_ms)
