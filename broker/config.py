@@ -81,14 +81,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return 0o660 if self.broker.group else 0o600
 
 
-def _pretty(err: str) -> str:
+def _pretty(err: str, prefix: str = "") -> str:
     # msgspec says "... - at `$.models.nsfw.max_batch`"; users write keys as dotted TOML paths
     m = re.search(r"^(.*) - at `\$\.?(.*)`$", err)
-    if not m:
-        return err
-    what, where = m.groups()
-    where = re.sub(r"\[(\d+)\]", r"[\1]", where)
-    return f"key '{where}': {what}" if where else what
+    what, where = m.groups() if m else (err, "")
+    key = ".".join(p for p in (prefix, where) if p)
+    return f"key '{key}': {what}" if key else what
 
 
 def parse(data: dict[str, object], source: str = "<dict>") -> Config:
@@ -96,6 +94,13 @@ def parse(data: dict[str, object], source: str = "<dict>") -> Config:
     try:
         cfg = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
+        # msgspec writes a dict value's path as `models[...]`; validate each model alone to name it
+        models = data.get("models")
+        for name, section in models.items() if isinstance(models, dict) else ():
+            try:
+                msgspec.convert(section, ModelSection)
+            except msgspec.ValidationError as model_exc:
+                raise ConfigError(f"{source}: {_pretty(str(model_exc), f'models.{name}')}") from None
         raise ConfigError(f"{source}: {_pretty(str(exc))}") from None
     cfg.source = source if source != "<dict>" else ""
     _check(cfg, source)
@@ -135,7 +140,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {p} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # a file that is not UTF-8 is not TOML
         raise ConfigError(f"{p}: not valid TOML: {exc}") from None
     return parse(data, str(p.resolve()))
 

@@ -122,11 +122,11 @@ def dtype_code(dt: np.dtype[Any] | str) -> DType:
     return code
 
 
+_DTYPE_BY_INT = {int(d): d for d in DType}
+
+
 def dtype_from_int(value: int) -> DType | None:
-    try:
-        return DType(value)
-    except ValueError:
-        return None
+    return _DTYPE_BY_INT.get(value)
 
 
 # ---------------------------------------------------------------------------------------------------------

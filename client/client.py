@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 Inputs = np.ndarray | Mapping[str, np.ndarray]
 Outputs = np.ndarray | dict[str, np.ndarray]
-GRACE_S = 2.0  # how long past its deadline a request may stay unanswered before the client gives up
+GRACE_S = 2.0
+POLLIN = int(zmq.POLLIN)  # how long past its deadline a request may stay unanswered before the client gives up
 
 
 @dataclass(slots=True)
@@ -330,7 +331,7 @@ class Client:
         self._cork.on = True  # submits made by callbacks coalesce into one message per worker
         try:
             for _ in range(64):
-                if not link.pull.get(zmq.EVENTS) & zmq.POLLIN:
+                if not link.pull.get(zmq.EVENTS) & POLLIN:
                     break
                 frames = link.pull.recv_multipart(zmq.NOBLOCK)
                 try:

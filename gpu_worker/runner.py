@@ -123,6 +123,10 @@ class ModelRunner:
         finally:
             self._busy.release()
 
+    def note_run_time(self, seconds: float) -> None:
+        """Feed the moving average of the engine's run time (warm-up primes it)."""
+        self.avg_run_s += (seconds - self.avg_run_s) * 0.1
+
     @property
     def cheap(self) -> bool:
         return self.avg_run_s < INLINE_BELOW_S
@@ -133,16 +137,16 @@ class ModelRunner:
         if not take.batch:
             return
         works = [e.item for e in take.batch]
-        t0 = time.perf_counter()
         try:
             feeds, rows = self._gather(works)  # (3)
+            t0 = time.perf_counter()
             outputs = self.engine.run(feeds)  # (4)
+            self.note_run_time(time.perf_counter() - t0)
         except Exception as exc:  # an engine failure fails this batch, not the worker
             log.exception("model %s failed a batch of %d requests", self.model.name, len(works))
             self.counters.count(P.Status.INTERNAL, len(works))
             reply(works, P.Status.INTERNAL, f"model {self.model.name!r} failed: {type(exc).__name__}")
             return
-        self.avg_run_s += (time.perf_counter() - t0 - self.avg_run_s) * 0.1
         self.counters.batch(rows)
         self._complete(works, outputs)  # (5)
 

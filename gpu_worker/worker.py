@@ -29,6 +29,8 @@ from gpu_worker.warmup import warm_up
 log = logging.getLogger(__name__)
 
 POLL_MS = 20
+SWEEP_S = 0.002  # how often queued requests are checked for expired deadlines
+POLLIN = int(zmq.POLLIN)  # a plain int: the enum's __and__ costs microseconds on the hot path
 
 
 class RateLimitedLog:
@@ -65,11 +67,11 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
             mc.engine, model_source.resolve(cfg.model_path(name)), device=device, intra_op_threads=mc.intra_op_threads
         )
         view = ModelView(model_id, name, mc.max_batch, engine.inputs, engine.outputs, mc.timeout_ms)
-        if mc.warmup:
-            warm_up(engine, view)
         batcher: Batcher[Work] = Batcher(mc.max_batch, mc.max_queue_delay_us, mc.preferred_batch_sizes,
                                          mc.max_queue_size)
         runner = ModelRunner(view, engine, batcher, ModelCounters())
+        if mc.warmup:
+            runner.avg_run_s = warm_up(engine, view)
         served[model_id] = ServedModel(view, engine, runner)
         log.info("model %s ready on %s in %.2f s", name, device, time.monotonic() - t0)
     return served
@@ -88,6 +90,7 @@ class Worker:
         self.models: dict[int, ServedModel] = {}
         self.sessions: dict[int, WorkerSession] = {}
         self._detaching: set[int] = set()
+        self._next_sweep = 0.0
         self._badlog = RateLimitedLog()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._ctl = self._ctx.socket(zmq.DEALER)
@@ -151,7 +154,7 @@ class Worker:
     # -- data plane ----------------------------------------------------------------------------------------
     def _drain_data(self) -> None:
         for _ in range(256):  # bounded, so control messages are not starved
-            if not self._data.get(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a zmq.Again per drain
+            if not self._data.get(zmq.EVENTS) & POLLIN:  # cheaper than a zmq.Again per drain
                 return
             self.on_submit(self._data.recv_multipart(zmq.NOBLOCK))
 
@@ -205,6 +208,9 @@ class Worker:
     def _sweep(self) -> None:
         """Answer queued requests whose deadline passed, and finish detaches that waited for in-flight work."""
         now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_S
         for m in self.models.values():
             m.runner.answer_expired(m.runner.batcher.expire(now), P.Status.TIMEOUT,
                                     f"deadline passed while queued for model {m.view.name!r}")

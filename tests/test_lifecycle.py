@@ -1,0 +1,128 @@
+"""Start-up, shutdown, supervision and access: what an operator and a co-located user would observe."""
+
+from __future__ import annotations
+
+import grp
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from client import Client, WorkerDied
+from tests.conftest import REPO, project_segments, start_broker
+from tests.test_e2e import direct
+
+X = np.ones((1, 256), np.float32)
+
+
+def _session_segment(c: Client) -> Path:
+    return Path("/dev/shm") / c.segment.name
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_sigterm_removes_segments_sockets_and_children(tmp_path: Path, mode: str) -> None:
+    before = project_segments()
+    b = start_broker(tmp_path, mode)
+    children = b.worker_pids()
+    if mode == "process":
+        assert children, "the broker should run one worker process per device"
+    c = Client(b.runtime_dir)
+    try:
+        c.infer("tiny", X)
+        seg = _session_segment(c)
+        assert seg.exists()
+        assert b.stop() == 0
+        assert not seg.exists()
+        assert project_segments() - before == set()
+        assert sorted(p.name for p in b.runtime_dir.iterdir()) == []
+        for pid in children:
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        with pytest.raises(WorkerDied):  # the client was told its worker is gone
+            c.infer("tiny", X)
+    finally:
+        c.close()
+
+
+def test_segment_and_socket_modes_are_private(process_broker) -> None:  # type: ignore[no-untyped-def]
+    with Client(process_broker.runtime_dir) as c:
+        st = os.stat(_session_segment(c))
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        for sock in process_broker.runtime_dir.glob("*.sock"):
+            assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600, sock.name
+
+
+def _open_as_nobody(path: str) -> int:
+    """Exit status of a child that drops to uid/gid 65534 and tries to open ``path`` read-write."""
+    code = (
+        "import os, sys\n"
+        "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+        "try:\n"
+        f"    os.open({path!r}, os.O_RDWR)\n"
+        "except PermissionError:\n"
+        "    sys.exit(13)\n"
+        "sys.exit(0)\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], check=False).returncode
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to uid 65534")
+def test_other_uid_cannot_open_a_session_segment(process_broker) -> None:  # type: ignore[no-untyped-def]
+    with Client(process_broker.runtime_dir) as c:
+        assert _open_as_nobody(str(_session_segment(c))) == 13
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown to a group")
+def test_configured_group_gives_0660(tmp_path: Path) -> None:
+    group = grp.getgrgid(65534).gr_name if 65534 in {g.gr_gid for g in grp.getgrall()} else "daemon"
+    b = start_broker(tmp_path, "process", extra=f'group = "{group}"')
+    try:
+        with Client(b.runtime_dir) as c:
+            st = os.stat(_session_segment(c))
+            assert stat.S_IMODE(st.st_mode) == 0o660
+            assert st.st_gid == grp.getgrnam(group).gr_gid
+            np.testing.assert_allclose(c.infer("tiny", X), direct("tiny", X), rtol=0, atol=1e-5)
+    finally:
+        assert b.stop() == 0
+
+
+def test_health_cli(process_broker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(process_broker.runtime_dir))
+    ok = subprocess.run([sys.executable, "-m", "broker.cli", "health", "--wait", "10"], env=env, cwd=REPO,
+                        capture_output=True, text=True, check=False)
+    assert ok.returncode == 0, ok.stderr
+    assert "nsfw: ready" in ok.stdout and "tiny: ready" in ok.stdout
+    env["SHMBROKER_RUNTIME_DIR"] = str(tmp_path / "nobody-here")
+    bad = subprocess.run([sys.executable, "-m", "broker.cli", "health", "--wait", "0.5"], env=env, cwd=REPO,
+                         capture_output=True, text=True, check=False)
+    assert bad.returncode != 0 and "no broker answered" in bad.stderr
+
+
+def test_dead_worker_is_restarted_and_clients_are_told(process_broker) -> None:  # type: ignore[no-untyped-def]
+    b = process_broker
+    with Client(b.runtime_dir) as c:
+        np.testing.assert_allclose(c.infer("tiny", X), direct("tiny", X), rtol=0, atol=1e-5)
+        (worker,) = b.worker_pids()
+        slow = [c.submit("nsfw", np.zeros((1, 224, 224, 3), np.float32)) for _ in range(3)]
+        os.kill(worker, signal.SIGKILL)
+        for f in slow:  # in flight when the worker died: each either finished or failed WORKER_DIED
+            exc = f.exception(30)
+            assert exc is None or isinstance(exc, WorkerDied), exc
+        c.wait_ready("tiny", timeout=60)
+        np.testing.assert_allclose(c.infer("tiny", X), direct("tiny", X), rtol=0, atol=1e-5)
+        assert b.worker_pids() != [worker]
+        assert b.stats().workers[0].restarts == 1
+
+
+def test_bad_config_is_refused_with_the_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[models.tiny]\npath = "builtin:tiny"\nmax_batch = "many"\n')
+    r = subprocess.run([sys.executable, "-m", "broker.cli", "serve", "--config", str(cfg)], cwd=REPO,
+                       capture_output=True, text=True, check=False, timeout=60)
+    assert r.returncode == 2
+    assert "models.tiny.max_batch" in r.stderr and "int" in r.stderr

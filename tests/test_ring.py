@@ -1,0 +1,449 @@
+"""broker.ring: the layout arithmetic, the span checks and real segments in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker import ring as R
+from broker.ring import RingError, RingLayout, Segment, SlotState
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layout
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("in_cap", "out_cap", "out_offset", "stride"),
+    [
+        (0, 0, 256, 4096),
+        (1, 1, 512, 4096),
+        (256, 0, 512, 4096),
+        (257, 0, 768, 4096),
+        (1024, 4096 - 256 - 1024, 1280, 4096),
+        (1024, 4096 - 256 - 1024 + 1, 1280, 8192),
+        (1000, 1000, 1280, 4096),
+        (1 << 20, 8, 256 + (1 << 20), (1 << 20) + 4096),
+    ],
+)
+def test_layout_offsets(in_cap: int, out_cap: int, out_offset: int, stride: int) -> None:
+    lay = RingLayout(session_id=1, n_slots=3, in_capacity=in_cap, out_capacity=out_cap)
+    assert lay.in_offset == R.SLOT_HEADER_BYTES == 256
+    assert lay.out_offset == out_offset
+    assert lay.slot_stride == stride
+    assert lay.total_bytes == R.HEADER_BYTES + 3 * stride
+    assert lay.slot_base(0) == R.HEADER_BYTES
+    assert lay.slot_base(2) == R.HEADER_BYTES + 2 * stride
+    assert lay.input_base(1) == R.HEADER_BYTES + stride + 256
+    assert lay.output_base(1) == R.HEADER_BYTES + stride + out_offset
+
+
+@settings(database=None, max_examples=300)
+@given(st.integers(1, 64), st.integers(0, 1 << 24), st.integers(0, 1 << 24))
+def test_layout_alignment_and_disjoint_regions(n_slots: int, in_cap: int, out_cap: int) -> None:
+    lay = RingLayout(session_id=9, n_slots=n_slots, in_capacity=in_cap, out_capacity=out_cap)
+    assert lay.slot_stride % R.SLOT_ALIGN == 0
+    assert lay.total_bytes == R.HEADER_BYTES + n_slots * lay.slot_stride
+    for slot in {0, n_slots - 1}:
+        assert lay.slot_base(slot) % R.SLOT_ALIGN == 0
+        assert lay.input_base(slot) % R.REGION_ALIGN == 0
+        assert lay.output_base(slot) % R.REGION_ALIGN == 0
+        # header | input | output, in order, inside the slot and not overlapping
+        assert lay.input_base(slot) >= lay.slot_base(slot) + R.SLOT_HEADER_BYTES
+        assert lay.input_base(slot) + in_cap <= lay.output_base(slot)
+        assert lay.output_base(slot) + out_cap <= lay.slot_base(slot) + lay.slot_stride
+    assert lay.output_base(n_slots - 1) + out_cap <= lay.total_bytes
+    # no slack of a whole page: the stride is the smallest aligned size that fits
+    assert lay.slot_stride - R.SLOT_ALIGN < lay.out_offset + out_cap
+
+
+def test_layout_is_frozen_and_derived_fields_are_not_arguments() -> None:
+    lay = RingLayout(1, 2, 3, 4)
+    with pytest.raises(AttributeError):
+        lay.n_slots = 5  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        RingLayout(1, 2, 3, 4, 256)  # type: ignore[call-arg]
+    assert lay == RingLayout(1, 2, 3, 4)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# check_span / pack_offsets
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("offset", "nbytes", "capacity"),
+    [(0, 0, 0), (0, 100, 100), (100, 0, 100), (99, 1, 100), (0, 0, 100), (50, 50, 100), (2**63, 1, 2**64)],
+)
+def test_check_span_accepts(offset: int, nbytes: int, capacity: int) -> None:
+    R.check_span("input tensor", offset, nbytes, capacity)  # does not raise
+
+
+@pytest.mark.parametrize(
+    ("offset", "nbytes", "capacity"),
+    [
+        (0, 101, 100),
+        (100, 1, 100),  # size = capacity - offset + 1
+        (60, 41, 100),
+        (101, 0, 100),
+        (1, 0, 0),
+        (0, 1, 0),
+        (2**64 - 1, 0, 100),
+        (0, 2**64 - 1, 100),
+        (2**64 - 1, 2**64 - 1, 100),
+        (2**64 - 1, 2, 2**64),  # would wrap to 1 in 64-bit arithmetic
+        (2, 2**64 - 1, 2**64),
+    ],
+)
+def test_check_span_refuses(offset: int, nbytes: int, capacity: int) -> None:
+    with pytest.raises(RingError, match=r"output tensor 3: .*exceed the slot region"):
+        R.check_span("output tensor 3", offset, nbytes, capacity)
+
+
+@pytest.mark.parametrize(("offset", "nbytes"), [(-1, 0), (0, -1), (-1, 2), (-(2**63), 2**63), (5, -5)])
+def test_check_span_refuses_negatives(offset: int, nbytes: int) -> None:
+    with pytest.raises(RingError, match=r"input tensor: .*must not be negative"):
+        R.check_span("input tensor", offset, nbytes, 100)
+
+
+@settings(database=None, max_examples=500)
+@given(st.integers(-(2**64), 2**65), st.integers(-(2**64), 2**65), st.integers(0, 2**64))
+def test_check_span_matches_interval_arithmetic(offset: int, nbytes: int, capacity: int) -> None:
+    inside = offset >= 0 and nbytes >= 0 and offset + nbytes <= capacity
+    if inside:
+        R.check_span("x", offset, nbytes, capacity)
+    else:
+        with pytest.raises(RingError):
+            R.check_span("x", offset, nbytes, capacity)
+
+
+def test_pack_offsets_examples() -> None:
+    assert R.pack_offsets([]) == ([], 0)
+    assert R.pack_offsets([1]) == ([0], 1)
+    assert R.pack_offsets([1, 1]) == ([0, 64], 65)
+    assert R.pack_offsets([64, 10]) == ([0, 64], 74)
+    assert R.pack_offsets([65, 10, 3]) == ([0, 128, 192], 195)
+    assert R.pack_offsets([0, 5]) == ([0, 0], 5)
+
+
+@settings(database=None, max_examples=300)
+@given(st.lists(st.integers(0, 1 << 20), max_size=16))
+def test_pack_offsets_alignment(sizes: list[int]) -> None:
+    offsets, end = R.pack_offsets(sizes)
+    assert len(offsets) == len(sizes)
+    assert all(o % R.TENSOR_ALIGN == 0 for o in offsets)
+    prev_end = 0
+    for o, n in zip(offsets, sizes, strict=True):
+        assert prev_end <= o < prev_end + R.TENSOR_ALIGN  # aligned, and no more padding than needed
+        prev_end = o + n
+    assert end == prev_end
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Segments in /dev/shm
+# ---------------------------------------------------------------------------------------------------------
+def _instance() -> str:
+    return "t" + secrets.token_hex(4)  # a per-test instance: never a running broker's
+
+
+SegmentFactory = Callable[..., Segment]
+
+
+@pytest.fixture
+def segments() -> Iterator[SegmentFactory]:
+    """``segments(layout, name=None, mode=0o600)`` creates a segment; all are closed and removed after."""
+    made: list[Segment] = []
+
+    def create(layout: RingLayout, name: str | None = None, mode: int = 0o600) -> Segment:
+        seg = Segment.create(name or R.new_segment_name(_instance()), layout, mode)
+        made.append(seg)
+        return seg
+
+    try:
+        yield create
+    finally:
+        for seg in made:
+            seg.close()
+            path = os.path.join(R.SHM_DIR, seg.name)
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+@pytest.fixture
+def opened() -> Iterator[list[Segment]]:
+    """Segments a test opened (not created): closed after the test."""
+    segs: list[Segment] = []
+    try:
+        yield segs
+    finally:
+        for seg in segs:
+            seg.close()
+
+
+LAYOUT = RingLayout(session_id=42, n_slots=4, in_capacity=1000, out_capacity=300)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_segment_names() -> None:
+    a = R.new_segment_name("abc123")
+    b = R.new_segment_name("abc123")
+    assert a.startswith("shmb-abc123-")
+    assert a != b
+    token = a.removeprefix("shmb-abc123-")
+    assert len(token) == 32
+    int(token, 16)  # hex
+    assert "/" not in a
+
+
+def test_create_file_mode_size_and_header(segments: SegmentFactory) -> None:
+    old_umask = os.umask(0o077)
+    try:
+        seg = segments(LAYOUT)
+    finally:
+        os.umask(old_umask)
+    path = os.path.join("/dev/shm", seg.name)
+    st_ = os.stat(path)
+    assert stat.S_ISREG(st_.st_mode)
+    assert stat.S_IMODE(st_.st_mode) == 0o600
+    assert st_.st_size == LAYOUT.total_bytes
+    assert st_.st_uid == os.getuid()
+    assert seg.creator
+    header = R.SEGMENT_HEADER.unpack_from(seg.buf, 0)
+    assert header == (
+        R.MAGIC, R.LAYOUT_VERSION, R.HEADER_BYTES, 42, 4, LAYOUT.slot_stride, R.SLOT_HEADER_BYTES,
+        1000, 300, LAYOUT.total_bytes, os.getpid(),
+    )  # fmt: skip
+    # every slot starts FREE and zeroed
+    assert all(seg.read_slot(i) == (SlotState.FREE, 0, 0, 0) for i in range(LAYOUT.n_slots))
+
+
+def test_create_mode_is_the_configured_one_whatever_the_umask(segments: SegmentFactory) -> None:
+    old_umask = os.umask(0o077)  # would narrow 0o660 to 0o600 without the fchmod
+    try:
+        seg = segments(LAYOUT, mode=0o660)
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(os.stat(os.path.join(R.SHM_DIR, seg.name)).st_mode) == 0o660
+
+
+def test_create_refuses_an_existing_name(segments: SegmentFactory) -> None:
+    seg = segments(LAYOUT)
+    with pytest.raises(FileExistsError):
+        Segment.create(seg.name, LAYOUT)
+    # the failed create did not remove the first segment
+    assert os.path.exists(os.path.join(R.SHM_DIR, seg.name))
+
+
+@pytest.mark.parametrize("name", ["other-name", "shmb-a/b", "/shmb-x", "", "../shmb-x"])
+def test_names_outside_the_prefix_are_refused(name: str) -> None:
+    with pytest.raises(RingError, match="must start with 'shmb-'"):
+        Segment.create(name, LAYOUT)
+    with pytest.raises(RingError, match="must start with 'shmb-'"):
+        Segment.open(name, LAYOUT)
+
+
+def test_open_a_missing_segment() -> None:
+    with pytest.raises(FileNotFoundError):
+        Segment.open(R.new_segment_name(_instance()), LAYOUT)
+
+
+def test_open_matching_layout(segments: SegmentFactory, opened: list[Segment]) -> None:
+    seg = segments(LAYOUT)
+    other = Segment.open(seg.name, LAYOUT)
+    opened.append(other)
+    assert not other.creator
+    assert other.layout == LAYOUT
+    assert len(other.buf) == LAYOUT.total_bytes
+
+
+@pytest.mark.parametrize(
+    ("layout", "field"),
+    [
+        (RingLayout(43, 4, 1000, 300), "session_id"),
+        (RingLayout(42, 4, 1024, 300), "in_capacity"),  # same stride and size, other capacity
+        (RingLayout(42, 4, 1000, 200), "out_capacity"),
+    ],
+)
+def test_open_with_mismatching_header_names_the_field(
+    segments: SegmentFactory, layout: RingLayout, field: str
+) -> None:
+    seg = segments(LAYOUT)
+    assert layout.total_bytes == LAYOUT.total_bytes  # so that the header check, not the size check, refuses
+    fds = _open_fds()
+    with pytest.raises(RingError, match=f"segment header field {field} is"):
+        Segment.open(seg.name, layout)
+    assert _open_fds() == fds  # the refused mapping's descriptor was closed
+
+
+@pytest.mark.parametrize(
+    ("offset", "value", "field"),
+    [
+        (0, b"SHMBRNG2", "magic"),
+        (8, (2).to_bytes(4, "little"), "layout_version"),
+        (12, (8192).to_bytes(4, "little"), "header_bytes"),
+        (20, (5).to_bytes(4, "little"), "n_slots"),
+        (24, (8192).to_bytes(8, "little"), "slot_stride"),
+        (32, (128).to_bytes(8, "little"), "slot_header_bytes"),
+        (56, (1).to_bytes(8, "little"), "total_bytes"),
+    ],
+)
+def test_open_with_corrupt_header_names_the_field(
+    segments: SegmentFactory, offset: int, value: bytes, field: str
+) -> None:
+    seg = segments(LAYOUT)
+    seg.buf[offset : offset + len(value)] = value
+    with pytest.raises(RingError, match=f"segment header field {field} is"):
+        Segment.open(seg.name, LAYOUT)
+
+
+def test_open_with_mismatching_size(segments: SegmentFactory) -> None:
+    seg = segments(LAYOUT)
+    bigger = RingLayout(42, 5, 1000, 300)
+    fds = _open_fds()
+    with pytest.raises(RingError, match=f"segment is {LAYOUT.total_bytes} bytes; the session announced"):
+        Segment.open(seg.name, bigger)
+    assert _open_fds() == fds
+
+
+def test_publish_and_read_slot_across_mappings(segments: SegmentFactory, opened: list[Segment]) -> None:
+    seg = segments(LAYOUT)
+    other = Segment.open(seg.name, LAYOUT)
+    opened.append(other)
+    other.publish_slot(2, SlotState.SUBMITTED, generation=7, request_id=2**64 - 1, status=0)
+    assert seg.read_slot(2) == (SlotState.SUBMITTED, 7, 2**64 - 1, 0)
+    # the state word is the first 4 bytes of the slot
+    base = LAYOUT.slot_base(2)
+    assert R.STATE_WORD.unpack_from(seg.buf, base)[0] == SlotState.SUBMITTED
+    assert R.SLOT_HEADER.unpack_from(seg.buf, base) == (SlotState.SUBMITTED, 7, 2**64 - 1, 0)
+    # the neighbours are untouched
+    assert seg.read_slot(1) == (SlotState.FREE, 0, 0, 0)
+    assert seg.read_slot(3) == (SlotState.FREE, 0, 0, 0)
+
+    seg.set_state(2, SlotState.DONE, status=5)
+    assert other.read_slot(2) == (SlotState.DONE, 7, 2**64 - 1, 5)
+    seg.publish_slot(2, SlotState.FAILED, generation=2**32 - 1, request_id=3, status=10)
+    assert other.read_slot(2) == (SlotState.FAILED, 2**32 - 1, 3, 10)
+    # the header at the segment start is not disturbed by slot writes
+    assert R.SEGMENT_HEADER.unpack_from(other.buf, 0)[0] == R.MAGIC
+
+
+def test_last_slot_is_usable(segments: SegmentFactory) -> None:
+    seg = segments(LAYOUT)
+    last = LAYOUT.n_slots - 1
+    seg.publish_slot(last, SlotState.DONE, 1, 2, 3)
+    assert seg.read_slot(last) == (SlotState.DONE, 1, 2, 3)
+    out = seg.output_view(last, 300 - 4, np.dtype("<f4"), (1,))
+    out[0] = 1.5
+    whole = np.frombuffer(seg.buf, np.uint8)
+    assert out.ctypes.data == whole.ctypes.data + LAYOUT.output_base(last) + 296
+    assert LAYOUT.output_base(last) + 300 <= len(whole) == LAYOUT.total_bytes
+    assert bytes(whole[LAYOUT.output_base(last) + 296 :][:4]) == np.float32(1.5).tobytes()
+    del out, whole
+
+
+def test_views_write_through_between_mappings(segments: SegmentFactory, opened: list[Segment]) -> None:
+    seg = segments(LAYOUT)
+    other = Segment.open(seg.name, LAYOUT)
+    opened.append(other)
+    f32 = np.dtype("<f4")
+
+    src = seg.input_view(1, 64, f32, (2, 3))
+    src[...] = np.arange(6, dtype=f32).reshape(2, 3)
+    dst = other.input_view(1, 64, f32, (2, 3))
+    np.testing.assert_array_equal(dst, np.arange(6, dtype=f32).reshape(2, 3))
+    dst[1, 2] = -1.0  # and back the other way
+    assert src[1, 2] == -1.0
+
+    out_w = other.output_view(1, 0, np.dtype("<i8"), (4,))
+    out_w[:] = [1, 2, 3, 2**62]
+    out_r = seg.output_view(1, 0, np.dtype("<i8"), (4,))
+    assert out_r.tolist() == [1, 2, 3, 2**62]
+    # the bytes are where the layout says
+    raw = bytes(seg.buf[LAYOUT.input_base(1) + 64 : LAYOUT.input_base(1) + 64 + 24])
+    assert raw == np.array([[0, 1, 2], [3, 4, -1]], dtype=f32).tobytes()
+    raw_out = bytes(seg.buf[LAYOUT.output_base(1) : LAYOUT.output_base(1) + 32])
+    assert raw_out == np.array([1, 2, 3, 2**62], dtype="<i8").tobytes()
+    # input and output of one slot, and the same region of two slots, do not alias
+    assert seg.input_view(0, 64, f32, (2, 3)).tolist() == [[0.0] * 3] * 2
+    assert seg.input_view(1, 0, np.dtype("<i8"), (4,)).tolist() == [0] * 4
+    del src, dst, out_w, out_r
+
+
+@pytest.mark.parametrize(
+    ("region", "offset", "shape"),
+    [
+        ("input", 1000 - 4, (2,)),
+        ("input", 1000, (1,)),
+        ("input", -4, (1,)),
+        ("input", 0, (251,)),
+        ("output", 0, (76,)),
+        ("output", 2**64 - 1, (1,)),
+        ("output", 0, (-1, 4)),
+    ],
+)
+def test_views_outside_the_region_are_refused(
+    segments: SegmentFactory, region: str, offset: int, shape: tuple[int, ...]
+) -> None:
+    seg = segments(LAYOUT)
+    view = seg.input_view if region == "input" else seg.output_view
+    with pytest.raises(RingError, match=f"{region} tensor"):
+        view(0, offset, np.dtype("<f4"), shape)
+
+
+def test_views_at_the_region_end_are_accepted(segments: SegmentFactory) -> None:
+    seg = segments(LAYOUT)
+    assert seg.input_view(0, 0, np.dtype("<f4"), (250,)).shape == (250,)
+    assert seg.input_view(0, 1000, np.dtype("<f4"), (0,)).shape == (0,)
+    assert seg.output_view(3, 296, np.dtype("<f4"), (1,)).shape == (1,)
+
+
+def test_only_the_creator_unlinks(segments: SegmentFactory, opened: list[Segment]) -> None:
+    seg = segments(LAYOUT)
+    other = Segment.open(seg.name, LAYOUT)
+    opened.append(other)
+    path = os.path.join("/dev/shm", seg.name)
+    with pytest.raises(RingError, match="only the creator"):
+        other.unlink()
+    assert os.path.exists(path)
+    seg.unlink()
+    assert not os.path.exists(path)
+    # the mappings outlive the name
+    seg.publish_slot(0, SlotState.DONE, 1, 1, 0)
+    assert other.read_slot(0) == (SlotState.DONE, 1, 1, 0)
+    with pytest.raises(FileNotFoundError):
+        Segment.open(seg.name, LAYOUT)
+    seg.unlink()  # a second unlink is only logged
+
+
+def test_close_with_live_views_keeps_them_valid(segments: SegmentFactory) -> None:
+    seg = segments(LAYOUT)
+    view = seg.input_view(0, 0, np.dtype("<u1"), (8,))
+    fds = _open_fds()
+    seg.close()
+    assert _open_fds() == fds - 1  # the descriptor goes now; the mapping when the view does
+    view[:] = 7  # still mapped
+    assert view.tolist() == [7] * 8
+    del view
+
+
+def test_unlink_instance_segments_removes_only_that_instance(segments: SegmentFactory) -> None:
+    mine, theirs = _instance(), _instance()
+    longer = mine + "0"  # an instance whose name extends ours
+    keep = [segments(LAYOUT, R.new_segment_name(theirs)), segments(LAYOUT, R.new_segment_name(longer))]
+    gone = [segments(LAYOUT, R.new_segment_name(mine)) for _ in range(3)]
+    assert R.unlink_instance_segments(mine) == 3
+    for seg in gone:
+        assert not os.path.exists(os.path.join(R.SHM_DIR, seg.name))
+    for seg in keep:
+        assert os.path.exists(os.path.join(R.SHM_DIR, seg.name))
+    assert R.unlink_instance_segments(mine) == 0
+    assert R.unlink_instance_segments(theirs) == 1
+    assert not os.path.exists(os.path.join(R.SHM_DIR, keep[0].name))
+    assert os.path.exists(os.path.join(R.SHM_DIR, keep[1].name))

@@ -1,0 +1,156 @@
+"""Each bad request gets its own status from the worker, and the worker goes on serving correct results.
+
+These requests are crafted at the protocol level (tests/rawclient.py), as a C client or a hostile peer
+would send them; the Python client would refuse most of them before sending.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from broker import protocol as P
+from client import Client, Overloaded
+from tests.conftest import RunningBroker
+from tests.rawclient import RawClient
+from tests.test_e2e import direct
+
+S = P.Status
+
+
+@pytest.fixture
+def raw(broker: RunningBroker):  # type: ignore[no-untyped-def]
+    rc = RawClient(broker.runtime_dir)
+    yield rc
+    rc.close()
+
+
+def one(raw: RawClient, req: P.SubmitRequest) -> P.Result:
+    raw.send(req)
+    results = raw.recv()
+    assert results is not None and len(results) == 1, "no answer from the worker"
+    return results[0]
+
+
+def assert_still_serves(raw: RawClient) -> None:
+    x = np.random.default_rng(7).standard_normal((1, 256), dtype=np.float32)
+    r = one(raw, raw.prepare(0, "tiny", x))
+    assert r.status == S.OK, r.message
+    np.testing.assert_allclose(raw.output(r, "tiny"), direct("tiny", x), rtol=0, atol=1e-5)
+
+
+X = np.zeros((1, 256), np.float32)
+
+
+def test_unknown_model(raw: RawClient) -> None:
+    req = raw.prepare(0, "tiny", X)
+    req.model_id = 99
+    r = one(raw, req)
+    assert r.status == S.UNKNOWN_MODEL and "model_id 99" in r.message
+    assert_still_serves(raw)
+
+
+def test_wrong_dtype(raw: RawClient) -> None:
+    req = raw.prepare(0, "tiny", X)
+    req.tensors[0].dtype = P.DType.FP64
+    req.tensors[0].nbytes = 2048
+    r = one(raw, req)
+    assert r.status == S.BAD_DTYPE and "inputs['x'].dtype" in r.message and "float32" in r.message
+    assert_still_serves(raw)
+
+
+def test_wrong_shape(raw: RawClient) -> None:
+    req = raw.prepare(0, "tiny", X)
+    req.tensors[0].shape = (1, 128, 2)
+    r = one(raw, req)
+    assert r.status == S.BAD_SHAPE and "inputs['x'].shape" in r.message
+    assert_still_serves(raw)
+
+
+def test_too_many_rows_for_the_slot(raw: RawClient) -> None:
+    req = raw.prepare(0, "tiny", X)
+    req.tensors[0].shape = (raw.setup.max_items + 1, 256)
+    req.tensors[0].nbytes = (raw.setup.max_items + 1) * 1024
+    r = one(raw, req)
+    assert r.status == S.BAD_SHAPE and "shape[0]" in r.message
+    assert_still_serves(raw)
+
+
+@pytest.mark.parametrize(("offset", "nbytes"), [(0, 1023), (0, 1025), (2**64 - 1, 1024), (2**63, 1024)])
+def test_wrong_byte_size_or_span(raw: RawClient, offset: int, nbytes: int) -> None:
+    req = raw.prepare(0, "tiny", X)
+    req.tensors[0].offset = offset
+    req.tensors[0].nbytes = nbytes
+    r = one(raw, req)
+    assert r.status == S.BAD_SIZE, r.message
+    assert_still_serves(raw)
+
+
+def test_span_past_the_slot_region(raw: RawClient) -> None:
+    req = raw.prepare(0, "tiny", X)
+    req.tensors[0].offset = raw.setup.in_capacity - 512  # in range, but 1024 bytes do not fit
+    r = one(raw, req)
+    assert r.status == S.BAD_SIZE and "exceed" in r.message
+    assert_still_serves(raw)
+
+
+@pytest.mark.parametrize("slot", [8, 9, 2**32 - 1])
+def test_out_of_range_slot(raw: RawClient, slot: int) -> None:
+    req = raw.prepare(0, "tiny", X)
+    req.slot = slot
+    r = one(raw, req)
+    assert r.status == S.BAD_SLOT and "out of range" in r.message
+    assert_still_serves(raw)
+
+
+def test_stale_and_replayed_generation(raw: RawClient) -> None:
+    req = raw.prepare(1, "tiny", X)
+    assert one(raw, req).status == S.OK
+    replay = one(raw, req)  # the same message again: the slot is DONE now, not SUBMITTED
+    assert replay.status == S.STALE_GENERATION
+    old = raw.prepare(1, "tiny", X)
+    old.generation -= 1
+    assert one(raw, old).status == S.STALE_GENERATION
+    assert_still_serves(raw)
+
+
+def test_wrong_token_and_garbage_are_dropped_without_harm(raw: RawClient) -> None:
+    raw.send(raw.prepare(2, "tiny", X), token=raw.token ^ 1)
+    raw.send_frames([b"\x01\x00\x20\x00", b"garbage"])
+    raw.send_frames([b"x"])
+    assert raw.recv(timeout=0.5) is None
+    assert_still_serves(raw)
+
+
+def test_coalesced_submit_answers_every_request(raw: RawClient) -> None:
+    xs = [np.full((1, 256), i, np.float32) for i in range(4)]
+    reqs = [raw.prepare(i, "tiny", x) for i, x in enumerate(xs)]
+    bad = raw.prepare(4, "tiny", X)
+    bad.tensors[0].shape = (1, 3)
+    raw.send(*reqs, bad)
+    got: dict[int, P.Result] = {}
+    while len(got) < 5:
+        results = raw.recv()
+        assert results is not None
+        got.update({r.request_id: r for r in results})
+    assert got[bad.request_id].status == S.BAD_SHAPE
+    for req, x in zip(reqs, xs, strict=True):
+        r = got[req.request_id]
+        assert r.status == S.OK and r.slot == req.slot
+        np.testing.assert_allclose(raw.output(r, "tiny"), direct("tiny", x), rtol=0, atol=1e-5)
+
+
+def test_overload_is_answered_at_once(broker: RunningBroker) -> None:
+    """nsfw has max_queue_size 3 in the test config: a burst of 8 overflows it."""
+    x = np.zeros((1, 224, 224, 3), np.float32)
+    with Client(slots=8) as c:
+        futs = [c.submit("nsfw", x) for _ in range(8)]
+        outcomes = []
+        for f in futs:
+            exc = f.exception(60)
+            outcomes.append(type(exc).__name__ if exc else "ok")
+        assert "Overloaded" in outcomes and "ok" in outcomes, outcomes
+        assert set(outcomes) <= {"Overloaded", "ok"}
+        err = next(f.exception() for f in futs if isinstance(f.exception(), Overloaded))
+        assert err is not None and err.code == "OVERLOADED" and "max_queue_size" in str(err)
+        np.testing.assert_allclose(c.infer("nsfw", x), direct("nsfw", x), rtol=0, atol=1e-5)
