@@ -24,6 +24,10 @@ class ProtocolError(ValueError):
     """A message that does not follow this module's format; the text names the part that is wrong."""
 
 
+class VersionError(ProtocolError):
+    """The envelope's protocol version is not the one this side speaks."""
+
+
 class MsgKind(enum.IntEnum):
     """The first frame's kind: what the body is and how to decode it."""
 
@@ -51,6 +55,7 @@ class MsgKind(enum.IntEnum):
     WORKER_STATS = 27
     WORKER_STATS_REPLY = 28
     SHUTDOWN = 29
+    ATTACH_FAILED = 30
     # client <-> worker (data plane, binary bodies)
     SUBMIT = 32
     DONE = 33
@@ -148,7 +153,7 @@ def read_envelope(frames: list[bytes]) -> MsgKind:
         raise ProtocolError(f"frame 0 must be {ENVELOPE.size} bytes, got {len(head)}")
     version, kind = ENVELOPE.unpack(head)
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})")
+        raise VersionError(f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})")
     try:
         return MsgKind(kind)
     except ValueError:
@@ -307,6 +312,11 @@ class AttachOk(msgspec.Struct, frozen=True):
     reply_endpoint: str
 
 
+class AttachFailed(msgspec.Struct, frozen=True):
+    session_id: int
+    reason: str
+
+
 class Detach(msgspec.Struct, frozen=True):
     session_id: int
 
@@ -351,6 +361,7 @@ CONTROL_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
     MsgKind.WORKER_STATS: WorkerStatsRequest,
     MsgKind.WORKER_STATS_REPLY: WorkerStatsReply,
     MsgKind.SHUTDOWN: Shutdown,
+    MsgKind.ATTACH_FAILED: AttachFailed,
 }
 KIND_OF: dict[type[msgspec.Struct], MsgKind] = {v: k for k, v in CONTROL_TYPES.items()}
 _ENCODER = msgspec.json.Encoder()

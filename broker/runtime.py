@@ -19,17 +19,18 @@ LOCK_FILE = "broker.lock"
 INSTANCE_FILE = "broker.instance"
 
 
-def resolve(configured: str = "") -> Path:
-    """SHMBROKER_RUNTIME_DIR if set; else the configured dir; else /run/shmbroker when writable; else per user.
+def resolve(configured: str = "", server: bool = False) -> Path:
+    """SHMBROKER_RUNTIME_DIR if set; else the configured dir; else /run/shmbroker if usable; else per user.
 
-    The client and the broker call this alike, so both find the same sockets without being told.
+    The client and the broker call this alike, so both find the same sockets without being told. The
+    broker needs to write in /run/shmbroker; a client (of the broker's group, say) only to enter it.
     """
     env = os.environ.get(ENV_VAR, "")
     if env:
         return Path(env)
     if configured:
         return Path(configured)
-    if SYSTEM_DIR.is_dir() and os.access(SYSTEM_DIR, os.W_OK | os.X_OK):
+    if SYSTEM_DIR.is_dir() and os.access(SYSTEM_DIR, (os.W_OK | os.X_OK) if server else os.X_OK):
         return SYSTEM_DIR
     xdg = os.environ.get("XDG_RUNTIME_DIR", "")
     if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
@@ -53,6 +54,10 @@ def prepare(runtime_dir: Path, mode: int, gid: int | None) -> None:
     """Create the directory (0700, or 0750 + group) if it is missing."""
     dir_mode = 0o750 if gid is not None else 0o700
     runtime_dir.mkdir(parents=True, exist_ok=True, mode=dir_mode)
+    st = runtime_dir.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        # someone else made it (a shared /tmp): their sockets could impersonate the broker
+        raise RuntimeError(f"runtime directory {runtime_dir} is not owned by this user or is writable by others")
     if gid is not None:
         os.chown(runtime_dir, -1, gid)
         os.chmod(runtime_dir, dir_mode)

@@ -8,6 +8,7 @@ request payloads: the data path runs client <-> worker directly.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -50,7 +51,7 @@ class Broker:
 
     def __init__(self, cfg: Config, runtime_dir: Path | None = None) -> None:
         self.cfg = cfg
-        self.runtime_dir = runtime_dir or runtime.resolve(cfg.broker.runtime_dir)
+        self.runtime_dir = runtime_dir or runtime.resolve(cfg.broker.runtime_dir, server=True)
         runtime.prepare(self.runtime_dir, cfg.file_mode, cfg.group_id())
         self._lock = runtime.InstanceLock(self.runtime_dir)
         self.instance = secrets.token_hex(4)
@@ -76,7 +77,9 @@ class Broker:
         n = runtime.clean_stale_sockets(self.runtime_dir)
         if n:
             log.warning("removed %d socket files left by a previous broker", n)
-        (self.runtime_dir / runtime.INSTANCE_FILE).write_text(self.instance + "\n")
+        fd = os.open(self.runtime_dir / runtime.INSTANCE_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.instance + "\n")
 
     def _bind(self, name: str) -> zmq.Socket[bytes]:
         s = self._ctx.socket(zmq.ROUTER)
@@ -124,7 +127,8 @@ class Broker:
                 msg = P.decode(frames)
             except P.ProtocolError as exc:
                 log.warning("malformed control message: %s", exc)
-                self._send(sock, identity, P.ErrorReply("BAD_MESSAGE", str(exc)))
+                code = "BAD_VERSION" if isinstance(exc, P.VersionError) else "BAD_MESSAGE"
+                self._send(sock, identity, P.ErrorReply(code, str(exc)))
                 continue
             handler(identity, msg)  # type: ignore[operator]
 
@@ -142,6 +146,10 @@ class Broker:
     # -- clients --------------------------------------------------------------------------------------------
     def _on_client(self, identity: bytes, msg: msgspec.Struct) -> None:
         if isinstance(msg, P.Hello):
+            if msg.protocol != P.PROTOCOL_VERSION:
+                self._send(self.control, identity, P.ErrorReply(
+                    "BAD_VERSION", f"HELLO.protocol {msg.protocol}: this broker speaks {P.PROTOCOL_VERSION}"))
+                return
             self._pending_hellos.append((identity, msg, time.monotonic() + self.cfg.broker.handshake_timeout_ms / 1e3))
             self._serve_hellos()
         elif isinstance(msg, P.Attached):
@@ -270,6 +278,8 @@ class Broker:
             log.error("worker %d: %s", w.worker_id, w.reason)
         elif isinstance(msg, P.AttachOk):
             self._attach_ok(w, msg)
+        elif isinstance(msg, P.AttachFailed):
+            self._attach_failed(w, msg)
         elif isinstance(msg, P.DetachOk):
             s = self.sessions.by_id.get(msg.session_id)
             if s is not None:
@@ -313,6 +323,14 @@ class Broker:
             s.pending_detach.add(w.worker_id)
             self._send(self.workers_sock, w.identity, P.Detach(s.session_id))
         self._maybe_ready(s)
+
+    def _attach_failed(self, w: WorkerSlot, msg: P.AttachFailed) -> None:
+        """A worker that cannot map a session leaves it: the session goes on with the other workers."""
+        log.error("worker %d cannot serve session %d: %s", w.worker_id, msg.session_id, msg.reason)
+        s = self.sessions.by_id.get(msg.session_id)
+        if s is not None:
+            s.pending_attach.discard(w.worker_id)
+            self._maybe_ready(s)
 
     def _worker_died(self, w: WorkerSlot) -> None:
         for s in list(self.sessions.by_id.values()):

@@ -95,6 +95,8 @@ class SessionTable:
         if hello.protocol != P.PROTOCOL_VERSION:
             raise SessionError("BAD_VERSION", f"HELLO.protocol {hello.protocol}: this broker speaks "
                                               f"{P.PROTOCOL_VERSION}")
+        if not 0 < hello.pid < 2**31:
+            raise SessionError("BAD_HELLO", f"HELLO.pid: expected a process id, got {hello.pid}")
         slots = hello.slots or sc.default_slots
         if not 1 <= slots <= sc.max_slots:
             raise SessionError("BAD_HELLO", f"HELLO.slots: expected 1..{sc.max_slots} (sessions.max_slots), "
@@ -105,7 +107,9 @@ class SessionTable:
             raise SessionError("BAD_HELLO", f"HELLO.max_items: expected >= 1, got {hello.max_items}")
         in_cap, out_cap = capacities(models, max_items)
         sid = self._next_id
-        self._next_id = self._next_id % 0xFFFF_FFFF + 1
+        while sid in self.by_id:  # after 2**32 sessions the ids wrap; never reuse a live one
+            sid = sid % 0xFFFF_FFFF + 1
+        self._next_id = sid % 0xFFFF_FFFF + 1
         layout = RingLayout(sid, slots, in_cap, out_cap)
         limit = sc.max_session_mib << 20
         if layout.total_bytes > limit:

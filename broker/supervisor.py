@@ -32,6 +32,9 @@ class WorkerPhase(enum.Enum):
 class Launch:
     """A running worker, process or thread; the supervisor sees only this."""
 
+    def __init__(self, cfg: Config, worker_id: int, runtime_dir: Path, restarts: int) -> None:
+        raise NotImplementedError
+
     def alive(self) -> bool:
         raise NotImplementedError
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+
 import numpy as np
 import zmq
 
@@ -107,6 +108,7 @@ class Client:
     def submit(self, model: str, inputs: Inputs, timeout: float | None = None) -> Future[Outputs]:
         """Queue one request; the Future holds the output or a ShmBrokerError."""
         plan = self._plan(model)
+        _check_timeout(timeout)
         arrays = self._arrays(plan, inputs)
         rows = arrays[0].shape[0]
         slot = self._acquire(timeout)
@@ -128,6 +130,7 @@ class Client:
         The views are valid inside the ``with`` block only; the slot is freed when it ends.
         """
         plan = self._plan(model)
+        _check_timeout(timeout)
         self._check_rows(plan, rows, "rows")
         slot = self._acquire(timeout)
         req = Request(self, plan, slot, rows, timeout)
@@ -192,7 +195,7 @@ class Client:
         extra = set(inputs) - {s.name for s in specs}
         if extra:
             raise BadInput(f"inputs {sorted(extra)}: model {plan.info.name!r} has no such input")
-        out = []
+        out: list[np.ndarray] = []
         for k, spec in enumerate(specs):
             if spec.name not in inputs:
                 raise BadInput(f"inputs[{spec.name!r}] is missing")
@@ -331,7 +334,7 @@ class Client:
         self._cork.on = True  # submits made by callbacks coalesce into one message per worker
         try:
             for _ in range(64):
-                if not link.pull.get(zmq.EVENTS) & POLLIN:
+                if not int(link.pull.get(zmq.EVENTS)) & POLLIN:
                     break
                 frames = link.pull.recv_multipart(zmq.NOBLOCK)
                 try:
@@ -428,6 +431,15 @@ class Client:
         wake()
         if io is not threading.current_thread():
             io.join(timeout=5)
+
+
+MAX_TIMEOUT_S = 0xFFFF_FFFF / 1e6  # timeout_us is a u32 on the wire
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
+        raise BadInput(f"timeout: expected 0 < timeout <= {MAX_TIMEOUT_S:.0f} s (or None: the model's default), "
+                       f"got {timeout}")
 
 
 class Request:

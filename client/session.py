@@ -115,8 +115,13 @@ def handshake(ctl: zmq.Socket[bytes], slots: int, max_items: int, name: str, tim
     setup = _expect(_recv(ctl, until, "SETUP"), P.Setup)
     layout = RingLayout(setup.session_id, setup.n_slots, setup.in_capacity, setup.out_capacity)
     if layout.slot_stride != setup.slot_stride or layout.total_bytes != setup.segment_bytes:
+        ctl.send_multipart(P.encode(P.Bye(setup.session_id)))
         raise HandshakeError("SETUP describes a ring layout this client does not derive", "BAD_LAYOUT")
-    segment = Segment.open(setup.segment, layout)
+    try:
+        segment = Segment.open(setup.segment, layout)
+    except BaseException:
+        ctl.send_multipart(P.encode(P.Bye(setup.session_id)))  # the broker may release the ring at once
+        raise
     try:
         ctl.send_multipart(P.encode(P.Attached(setup.session_id)))
         ready = _expect(_recv(ctl, until, "READY"), P.Ready)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import secrets
 import threading
@@ -15,8 +16,7 @@ from broker.ring import RingLayout, Segment
 
 log = logging.getLogger(__name__)
 
-# A reply socket whose client has gone away must not stall a runner thread for long.
-SEND_TIMEOUT_MS = 100
+CLOSE_LINGER_MS = 200  # lets last answers (SHUTTING_DOWN) leave when a session or the worker closes
 
 
 class WorkerSession:
@@ -35,13 +35,14 @@ class WorkerSession:
         self.in_flight: set[int] = set()
         self.detaching = False
         self._lock = threading.Lock()
-        self._unreachable = False
+        # DONEs that could not leave yet (the client's reply connection is not up): the IO thread
+        # retries them. Bounded by the ring: each holds at least one of the session's slots' answers.
+        self._outbox: collections.deque[list[bytes]] = collections.deque()
         name = runtime.reply_socket_name(worker_id, msg.session_id, secrets.token_hex(6))
         self.reply_endpoint = runtime.endpoint(runtime_dir, name)
         self._sock = ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the ring's slots, not by ZeroMQ
-        self._sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         try:
             self._sock.bind(self.reply_endpoint)
             runtime.secure_socket_file(self.reply_endpoint, mode, gid)
@@ -51,20 +52,29 @@ class WorkerSession:
             raise
 
     def finish(self, slots: list[int], frames: list[bytes]) -> None:
-        """Free the slots and send their DONE as one step, so no one sees a free slot before its DONE left.
+        """Free the slots and queue their DONE as one step, so no one sees a free slot before its DONE.
 
-        A client that never connected or went away costs one short timeout, then nothing.
+        Never blocks: a DONE that cannot leave now (no reply connection yet) waits in the outbox.
         """
         with self._lock:
             self.in_flight.difference_update(slots)
-            if self._unreachable:
-                return
-            try:
-                self._sock.send_multipart(frames, copy=False)
-            except zmq.Again:
-                self._unreachable = True
-                log.warning("session %d does not read its replies; dropping them until it is detached",
-                            self.session_id)
+            if self._outbox or not self._try_send(frames):
+                self._outbox.append(frames)
+
+    def flush_outbox(self) -> None:
+        """Retry DONEs that could not leave (called by the IO thread on every turn)."""
+        if not self._outbox:
+            return
+        with self._lock:
+            while self._outbox and self._try_send(self._outbox[0]):
+                self._outbox.popleft()
+
+    def _try_send(self, frames: list[bytes]) -> bool:
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
 
     def claim_slot(self, slot: int) -> bool:
         with self._lock:
@@ -80,6 +90,6 @@ class WorkerSession:
 
     def close(self) -> None:
         with self._lock:
-            self._sock.close(linger=0)
+            self._sock.close(linger=CLOSE_LINGER_MS)
             runtime.remove_socket_file(self.reply_endpoint)
         self.segment.close()

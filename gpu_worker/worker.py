@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from broker import protocol as P
@@ -106,7 +107,7 @@ class Worker:
         self._send_ctl(P.WorkerHello(P.PROTOCOL_VERSION, self.worker_id, os.getpid()))
         try:
             self.models = build_models(self.cfg, self.device)
-        except Exception as exc:  # any load failure is reported to the broker, which shows it in health
+        except Exception as exc:  # noqa: BLE001 - any load failure is reported to the broker (health shows it)
             log.error("worker %d could not load its models: %s", self.worker_id, exc)
             self._send_ctl(P.WorkerFailed(self.worker_id, f"{type(exc).__name__}: {exc}"))
             self._close()
@@ -154,7 +155,7 @@ class Worker:
     # -- data plane ----------------------------------------------------------------------------------------
     def _drain_data(self) -> None:
         for _ in range(256):  # bounded, so control messages are not starved
-            if not self._data.get(zmq.EVENTS) & POLLIN:  # cheaper than a zmq.Again per drain
+            if not int(self._data.get(zmq.EVENTS)) & POLLIN:  # cheaper than a zmq.Again per drain
                 return
             self.on_submit(self._data.recv_multipart(zmq.NOBLOCK))
 
@@ -214,6 +215,8 @@ class Worker:
         for m in self.models.values():
             m.runner.answer_expired(m.runner.batcher.expire(now), P.Status.TIMEOUT,
                                     f"deadline passed while queued for model {m.view.name!r}")
+        for session in self.sessions.values():
+            session.flush_outbox()
         for sid in list(self._detaching):
             s = self.sessions.get(sid)
             if s is None or s.idle:
@@ -262,7 +265,7 @@ class Worker:
                               self.cfg.group_id())
         except (OSError, RingError, zmq.ZMQError) as exc:
             log.error("cannot attach session %d: %s", msg.session_id, exc)
-            self._send_ctl(P.ErrorReply("ATTACH_FAILED", f"session {msg.session_id}: {exc}"))
+            self._send_ctl(P.AttachFailed(msg.session_id, str(exc)))
             return
         self.sessions[msg.session_id] = s
         self._send_ctl(P.AttachOk(msg.session_id, s.reply_endpoint))
@@ -271,7 +274,7 @@ class Worker:
         models = [m.runner.counters.snapshot(m.view.name, len(m.runner.batcher)) for m in self.models.values()]
         return P.WorkerStats(self.worker_id, os.getpid(), self.restarts, models)
 
-    def _send_ctl(self, msg: P.msgspec.Struct) -> None:
+    def _send_ctl(self, msg: msgspec.Struct) -> None:
         self._ctl.send_multipart(P.encode(msg))
 
 

@@ -60,6 +60,11 @@ class RunningBroker:
     runtime_dir: Path
     proc: subprocess.Popen[bytes]
     log_path: Path
+    instance: str = ""
+
+    def segments(self) -> set[str]:
+        """This broker's segments in /dev/shm (other brokers may run beside the tests)."""
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"shmb-{self.instance}-")}
 
     def health(self, wait_s: float = 0.0) -> P.HealthReply:
         reply = ask_broker(self.runtime_dir, P.Health(int(wait_s * 1000)), wait_s + 5)
@@ -99,11 +104,8 @@ def start_broker(tmp: Path, mode: str = "process", extra: str = "", models: str 
     if not reply.ready:
         b.stop()
         raise AssertionError(f"broker not ready: {reply.reason}\n{b.log()}")
+    b.instance = (runtime_dir / "broker.instance").read_text().strip()
     return b
-
-
-def project_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("shmb-")}
 
 
 @pytest.fixture(scope="module", params=["process", "thread"])
@@ -114,7 +116,6 @@ def mode(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory, mode: str) -> Iterator[RunningBroker]:
     """A live broker shared by a module's tests, in each worker mode; clients find it via the env var."""
-    before = project_segments()
     b = start_broker(tmp_path_factory.mktemp(f"broker-{mode}"), mode)
     old = os.environ.get("SHMBROKER_RUNTIME_DIR")
     os.environ["SHMBROKER_RUNTIME_DIR"] = str(b.runtime_dir)
@@ -126,7 +127,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory, mode: str) -> Iterator[Runn
         else:
             os.environ["SHMBROKER_RUNTIME_DIR"] = old
         rc = b.stop()
-        leaked = project_segments() - before
+        leaked = b.segments()
         assert rc == 0, f"broker exited {rc}\n{b.log()}"
         assert not leaked, f"segments left in /dev/shm: {sorted(leaked)}"
 

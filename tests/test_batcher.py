@@ -41,6 +41,13 @@ def _take_in_thread(b: Batcher[str], timeout: float | None) -> tuple[threading.T
     return t, out
 
 
+def _wait_until_sleeping(b: Batcher[str], n: int = 1) -> None:
+    """Return once ``n`` threads wait on the batcher's condition (a readiness check, not a sleep)."""
+    end = time.monotonic() + 30.0
+    while len(b._cond._waiters) < n:  # type: ignore[attr-defined]
+        assert time.monotonic() < end, "the taker never went to sleep"  # spins; the GIL switches threads
+
+
 # ---------------------------------------------------------------------------------------------------------
 # When a batch forms
 # ---------------------------------------------------------------------------------------------------------
@@ -102,7 +109,7 @@ def test_largest_reached_preferred_size_is_taken() -> None:
 
 
 def test_below_every_threshold_waits_for_the_delay() -> None:
-    delay = 0.3
+    delay = 0.5
     b = _batcher(max_batch=8, delay_us=int(delay * 1e6), preferred=[4])
     entry = _entry("only")
     b.put(entry)
@@ -134,21 +141,38 @@ def test_zero_delay_batches_whatever_is_there() -> None:
 def test_a_sleeping_take_is_woken_by_put() -> None:
     b = _batcher(max_batch=2)
     t, out = _take_in_thread(b, timeout=30.0)
+    _wait_until_sleeping(b)  # asleep on an empty queue: only put's notify can end the wait early
     b.put(_entry("a"))
     b.put(_entry("b"))
-    t.join(30.0)
+    t.join(20.0)  # well before the taker's own 30 s timeout
     assert not t.is_alive()
     assert out[0] is not None
     assert _names(out[0].batch) == ["a", "b"]
 
 
-def test_put_without_wake_then_kick() -> None:
+def test_put_without_wake_leaves_the_runner_asleep_until_kick() -> None:
     b = _batcher(max_batch=1)
-    b.put(_entry("a"), wake=False)
-    # whether the runner is already waiting or not, kick() (or the due check on entry) lets it see the batch
     t, out = _take_in_thread(b, timeout=30.0)
+    _wait_until_sleeping(b)
+    b.put(_entry("a"), wake=False)
+    t.join(0.2)
+    assert t.is_alive()  # nobody told it (it could only return on its own after 30 s)
     b.kick()
-    t.join(30.0)
+    t.join(20.0)
+    assert not t.is_alive()
+    assert out[0] is not None
+    assert _names(out[0].batch) == ["a"]
+
+
+def test_kick_on_an_empty_queue_does_not_end_a_take() -> None:
+    b = _batcher(max_batch=1)
+    t, out = _take_in_thread(b, timeout=30.0)
+    _wait_until_sleeping(b)
+    b.kick()
+    t.join(0.2)
+    assert t.is_alive()
+    b.put(_entry("a"))
+    t.join(20.0)
     assert out[0] is not None
     assert _names(out[0].batch) == ["a"]
 
@@ -208,11 +232,13 @@ def test_expire_removes_only_past_deadlines() -> None:
     assert len(b) == 1
     assert b.next_deadline() == now + LONG
     assert b.expire(now) == []
-    # the expired rows were subtracted: 3 + 5 more rows reach max_batch 8 exactly
-    b.put(Queued("more", 5, now + LONG))
+    # the expired rows were subtracted: 3 + 4 rows stay below max_batch 8 (3 + 3 + 4 would not)
+    b.put(Queued("more", 4, now + LONG))
+    assert b.take_now() is None
+    b.put(Queued("last", 1, now + LONG))
     take = b.take_now()
     assert take is not None
-    assert _names(take.batch) == ["future", "more"]
+    assert _names(take.batch) == ["future", "more", "last"]
 
 
 def test_next_deadline_of_an_empty_queue() -> None:
@@ -265,6 +291,7 @@ def test_close_returns_what_was_queued() -> None:
 def test_close_wakes_a_sleeping_take() -> None:
     b = _batcher()
     t, out = _take_in_thread(b, timeout=None)  # would block forever on an open, empty batcher
+    _wait_until_sleeping(b)
     b.close()
     t.join(30.0)
     assert not t.is_alive()
