@@ -1,12 +1,275 @@
-"""Placeholder replaced below."""
+"""``shmbroker bench``: the broker against a raw ZeroMQ echo and the in-process engine limit, in one run.
+
+Order: with the echo server and the bench's own broker both up, (1) echo and ``tiny`` latency at
+concurrency 1, (2) echo and ``tiny`` throughput at 4 processes x 8 in flight, (3) ``nsfw`` throughput at
+4 processes x 4 in flight; then the broker is stopped with SIGTERM and /dev/shm checked; then (4) the
+in-process ONNX Runtime limit for ``nsfw``, with no broker running. Each ratio's two figures are measured
+back to back, so that they are taken under the same machine conditions. bench/README.md has the details.
+"""
+
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import psutil
+
+from bench import echo, inprocess, load, report
+from bench.broker_proc import BrokerProcess, counters_delta, model_counters
+from bench.common import BenchError, Figures, Progress
+from bench.procs import Target, run_group
+from broker import config
+
+PROCESSES = 4
+TINY_IN_FLIGHT = 8  # per process: 32 in flight
+NSFW_IN_FLIGHT = 4  # per process: 16 in flight
+NSFW_BATCH_SIZES = [1, 8, 16]
+TINY = "tiny"
+NSFW = "nsfw"
+
+
+@dataclass(frozen=True)
+class Settings:
+    quick: bool
+    duration_s: float  # each throughput window
+    warmup_s: float  # run, uncounted, before each window
+    latency_requests: int
+    latency_warmup: int
+    inprocess_s: float  # per batch size
+    processes: int = PROCESSES
+    tiny_in_flight: int = TINY_IN_FLIGHT
+    nsfw_in_flight: int = NSFW_IN_FLIGHT
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Settings:
+        quick = bool(args.quick)
+        duration = args.duration if args.duration is not None else (2.0 if quick else 5.0)
+        requests = args.requests if args.requests is not None else (2000 if quick else 5000)
+        return cls(quick=quick, duration_s=duration, warmup_s=0.5 if quick else 1.0, latency_requests=requests,
+                   latency_warmup=max(100, requests // 10), inprocess_s=duration)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true",
+                    help="write the JSON document (to stdout, the table then goes to stderr; or to --out)")
+    ap.add_argument("--out", default=None, metavar="FILE", help="write the JSON document to FILE (implies --json)")
+    ap.add_argument("--quick", action="store_true", help="shorter windows (2 s) and fewer latency requests (2000)")
+    ap.add_argument("--config", default=None, metavar="PATH",
+                    help="broker config to benchmark (default: configs/default.toml); needs models tiny and nsfw")
+    ap.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                    help="each throughput window (default 5, 2 with --quick)")
+    ap.add_argument("--requests", type=int, default=None, metavar="N",
+                    help="latency requests at concurrency 1 (default 5000, 2000 with --quick)")
+
+
+def _now_iso() -> str:
+    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def _throughput(results: list[Figures], in_flight: int) -> Figures:
+    per_process = [
+        {"completed": r["completed"], "errors": r["errors"], "per_s": round(r["completed"] / r["window_s"], 1),
+         **({"error_codes": r["error_codes"]} if r.get("error_codes") else {}),
+         **({"lost": r["lost"]} if r.get("lost") else {})}
+        for r in results
+    ]
+    return {
+        "processes": len(results),
+        "in_flight_per_process": in_flight,
+        "concurrency": len(results) * in_flight,
+        "window_s": results[0]["window_s"],
+        "completed": sum(r["completed"] for r in results),
+        "errors": sum(r["errors"] for r in results),
+        "per_s": round(sum(r["completed"] / r["window_s"] for r in results), 1),
+        "per_process": per_process,
+    }
+
+
+class Bench:
+    def __init__(self, cfg: config.Config, cfg_path: Path, s: Settings, progress: Progress) -> None:
+        self.cfg = cfg
+        self.cfg_path = cfg_path
+        self.s = s
+        self.progress = progress
+        self.measurements: dict[str, Figures] = {}
+        self.failures: list[str] = []
+        self.broker: BrokerProcess | None = None
+
+    def phase(self, key: str, title: str, fn: Callable[[], Figures], summary: Callable[[Figures], str]) -> None:
+        self.progress.phase(title)
+        psutil.cpu_percent(None)  # the next call gives the machine's busy % over the phase
+        try:
+            figures = fn()
+        except BenchError as exc:
+            self.measurements[key] = {"error": str(exc)}
+            self.failures.append(f"{key}: {exc}")
+            self.progress.note(f"FAILED: {exc}")
+            return
+        figures["machine_cpu_busy_pct"] = psutil.cpu_percent(None)
+        self.measurements[key] = figures
+        self.progress.done(summary(figures))
+
+    def skip(self, key: str, why: str) -> None:
+        self.measurements[key] = {"error": f"skipped: {why}"}
+        self.failures.append(f"{key}: skipped: {why}")
+        self.progress.note(f"{key} skipped: {why}")
+
+    # -- phases ---------------------------------------------------------------------------------------------
+    def inprocess_nsfw(self) -> Figures:
+        return inprocess.limit(self.cfg, NSFW, NSFW_BATCH_SIZES, self.s.inprocess_s, self.progress)
+
+    def latency(self, target: Target, spec: Figures) -> Figures:
+        (r,) = run_group(self.progress, target, [spec], expect_s=None)
+        return {"concurrency": 1, "requests": self.s.latency_requests, "warmup_requests": self.s.latency_warmup,
+                "errors": r["errors"], **({"error_codes": r["error_codes"]} if r.get("error_codes") else {}),
+                "latency": r["latency"]}
+
+    def throughput(self, target: Target, base: Figures, in_flight: int) -> Figures:
+        specs = [{**base, "index": i, "seed": 1000 + i, "in_flight": in_flight, "warmup_s": self.s.warmup_s,
+                  "duration_s": self.s.duration_s} for i in range(self.s.processes)]
+        results = run_group(self.progress, target, specs, expect_s=self.s.warmup_s + self.s.duration_s)
+        return {**_throughput(results, in_flight), "warmup_s": self.s.warmup_s}
+
+    def with_server_counters(self, broker: BrokerProcess, model: str, fn: Callable[[], Figures]) -> Figures:
+        before = model_counters(broker.stats())
+        figures = fn()
+        return {**figures, **counters_delta(before, model_counters(broker.stats()), model)}
+
+    def run(self, workdir: Path) -> Figures:
+        s = self.s
+        self.progress.phase(f"starting the broker ({self.cfg_path}) and the echo server")
+        broker = self.broker = BrokerProcess(self.cfg_path, workdir, self.progress)
+        try:
+            with echo.EchoServer(workdir) as server, broker:
+                self.progress.done(f"broker ready (instance {broker.instance}), echo server on {server.endpoint}")
+                self._broker_phases(broker, server.endpoint)
+        except BenchError as exc:
+            self.failures.append(f"broker: {exc}")
+            self.progress.note(f"FAILED: {exc}")
+        finally:
+            broker.stop()
+        shutdown = broker.shutdown_figures()
+        if not shutdown["shm_clean"]:
+            self.failures.append(f"broker shutdown not clean: {shutdown}")
+        self.progress.phase("broker stopped")
+        self.progress.done(f"exit code {shutdown['exit_code']}, /dev/shm "
+                           f"{'clean' if not shutdown['shm_leaked'] else 'LEAKED ' + str(shutdown['shm_leaked'])}")
+        # after the broker is gone (idle machine), and right after the broker's nsfw phase (same conditions)
+        if NSFW in self.cfg.models:
+            self.phase("nsfw_inprocess", f"nsfw in-process ONNX Runtime limit, batches {NSFW_BATCH_SIZES}, "
+                       f"{s.inprocess_s:g} s each (broker stopped)", self.inprocess_nsfw,
+                       lambda f: f"{f['items_per_s']:.2f} images/s at batch {f['best_batch']}")
+        else:
+            self.skip("nsfw_inprocess", f"the config has no model {NSFW!r}")
+        return shutdown
+
+    def _broker_phases(self, broker: BrokerProcess, endpoint: str) -> None:
+        s = self.s
+        rt = str(broker.runtime_dir)
+        lat = {"requests": s.latency_requests, "warmup": s.latency_warmup}
+
+        def lat_summary(f: Figures) -> str:
+            return f"p50 {f['latency']['p50_us']:.1f} us, p99 {f['latency']['p99_us']:.1f} us, {f['errors']} errors"
+
+        def tput_summary(unit: str) -> Callable[[Figures], str]:
+            return lambda f: f"{f['per_s']:,.1f} {unit}/s, {f['errors']} errors"
+
+        self.phase("echo_latency", f"raw zmq echo latency, 1 in flight, {s.latency_requests} requests",
+                   lambda: self.latency(echo.latency_client, {"endpoint": endpoint, **lat}), lat_summary)
+        if TINY in self.cfg.models:
+            self.phase("tiny_latency", f"tiny latency via the broker, 1 in flight, {s.latency_requests} requests",
+                       lambda: self.with_server_counters(broker, TINY, lambda: self.latency(
+                           load.latency_client, {"runtime_dir": rt, "model": TINY, "seed": 1, **lat})), lat_summary)
+        else:
+            self.skip("tiny_latency", f"the config has no model {TINY!r}")
+        self.phase("echo_throughput", f"raw zmq echo throughput, {s.processes} procs x {s.tiny_in_flight} in flight, "
+                   f"{s.duration_s:g} s", lambda: self.throughput(
+                       echo.throughput_client, {"endpoint": endpoint, "warmup_requests": 50}, s.tiny_in_flight),
+                   tput_summary("messages"))
+        if TINY in self.cfg.models:
+            self.phase("tiny_throughput", f"tiny throughput via the broker, {s.processes} procs x {s.tiny_in_flight} "
+                       f"in flight, {s.duration_s:g} s", lambda: self.with_server_counters(broker, TINY, lambda: (
+                           self.throughput(load.throughput_client, {"runtime_dir": rt, "model": TINY,
+                                                                    "warmup_requests": 50}, s.tiny_in_flight))),
+                       tput_summary("requests"))
+        else:
+            self.skip("tiny_throughput", f"the config has no model {TINY!r}")
+        if NSFW in self.cfg.models:
+            self.phase("nsfw_throughput", f"nsfw throughput via the broker, {s.processes} procs x {s.nsfw_in_flight} "
+                       f"in flight, 1 image each, {s.duration_s:g} s", lambda: self.with_server_counters(
+                           broker, NSFW, lambda: self.throughput(load.throughput_client, {
+                               "runtime_dir": rt, "model": NSFW, "warmup_requests": 2, "rows": 1}, s.nsfw_in_flight)),
+                       tput_summary("images"))
+        else:
+            self.skip("nsfw_throughput", f"the config has no model {NSFW!r}")
+
+
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _write(text: str, stream: Any) -> None:
+    stream.write(text)
+    stream.flush()
 
 
 def main(args: argparse.Namespace) -> int:
+    progress = Progress()
+    cfg_path = Path(args.config).resolve() if args.config else config.DEFAULT_CONFIG
+    cfg = config.load(cfg_path)  # a ConfigError is reported by the CLI (exit 2)
+    s = Settings.of(args)
+    want_json = bool(args.json or args.out)
+    doc: Figures = {
+        "schema": "shmbroker-bench/1",
+        "date": _now_iso(),
+        "machine": {**report.machine(), "background_cpu_busy_pct": psutil.cpu_percent(1.0)},
+        "config": {"path": str(cfg_path), "settings": config.to_dict(cfg)},
+        "settings": asdict(s),
+    }
+    bench = Bench(cfg, cfg_path, s, progress)
+    workdir = Path(tempfile.mkdtemp(prefix="shmbroker-bench-"))
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM, like Ctrl-C, still stops the broker
+    try:
+        doc["broker"] = bench.run(workdir)
+    except KeyboardInterrupt as exc:
+        progress.note(f"interrupted ({exc or 'SIGINT'}); the broker and the client processes were stopped")
+        bench.failures.append("interrupted")
+        if bench.broker is not None:
+            bench.broker.stop()
+            doc["broker"] = bench.broker.shutdown_figures()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(workdir, ignore_errors=True)
+    doc["measurements"] = bench.measurements
+    doc["ratios"] = report.ratios(bench.measurements)
+    doc["info_ratios"] = report.info_ratios(bench.measurements)
+    doc["failures"] = bench.failures
+    doc["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    doc["elapsed_s"] = round(progress.elapsed(), 1)
+    text = json.dumps(doc, indent=2) + "\n"
+    human = report.table(doc)
+    if want_json and not args.out:
+        _write(human, sys.stderr)
+        _write(text, sys.stdout)
+    else:
+        _write(human, sys.stdout)
+        if args.out:
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+            progress.note(f"wrote {out}")
+    if bench.failures:
+        sys.stderr.write("shmbroker bench: " + "; ".join(f.splitlines()[0] for f in bench.failures) + "\n")
+        return 1
     return 0

@@ -453,7 +453,7 @@ class DoneBatch:
     results: list[Result]
 
 
-def _pack_tensor(t: TensorDesc) -> bytes:
+def pack_tensor(t: TensorDesc) -> bytes:
     ndim = len(t.shape)
     if ndim > MAX_DIMS:
         raise ProtocolError(f"tensor {t.index} has {ndim} dimensions; the protocol carries at most {MAX_DIMS}")
@@ -477,7 +477,7 @@ def encode_submit(batch: SubmitBatch) -> list[bytes]:
         parts.append(
             REQUEST.pack(r.request_id, r.slot, r.generation, r.model_id, len(tensors), len(r.tensors), r.timeout_us)
         )
-        tensors.extend(_pack_tensor(t) for t in r.tensors)
+        tensors.extend(pack_tensor(t) for t in r.tensors)
     head = SUBMIT_HEADER.pack(batch.session_id, len(batch.requests), len(tensors), 0, batch.token)
     return [envelope(MsgKind.SUBMIT), b"".join([head, *parts, *tensors])]
 
@@ -522,7 +522,7 @@ def encode_done(batch: DoneBatch) -> list[bytes]:
                 r.request_id, r.slot, r.generation, r.status, len(tensors), len(r.tensors), text_len, len(msg), 0
             )
         )
-        tensors.extend(_pack_tensor(t) for t in r.tensors)
+        tensors.extend(pack_tensor(t) for t in r.tensors)
         texts.append(msg)
         text_len += len(msg)
     head = DONE_HEADER.pack(batch.session_id, len(batch.results), len(tensors), text_len)

@@ -221,6 +221,8 @@ class Segment:
     def _view(
         self, base: int, cap: int, offset: int, dtype: np.dtype[Any], shape: tuple[int, ...], what: str
     ) -> np.ndarray:
+        if min(shape, default=0) < 0:  # (-2, -2) has a positive product: the span check alone lets it by
+            raise RingError(f"{what} tensor: shape {list(shape)} has a negative dimension")
         count = math.prod(shape)
         check_span(f"{what} tensor", offset, count * dtype.itemsize, cap)
         return np.frombuffer(self.buf, dtype=dtype, count=count, offset=base + offset).reshape(shape)

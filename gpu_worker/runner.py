@@ -13,8 +13,9 @@ import numpy as np
 from broker import protocol as P
 from broker.ring import SlotState
 from gpu_worker.batcher import Batcher, Queued, Take
+from gpu_worker.codec import ModelCodec
 from gpu_worker.engines.base import Engine
-from gpu_worker.intake import ModelView, input_arrays, out_layout
+from gpu_worker.intake import ModelView, input_arrays
 from gpu_worker.sessions import WorkerSession
 
 log = logging.getLogger(__name__)
@@ -74,12 +75,12 @@ class ModelRunner:
 
     def __init__(self, model: ModelView, engine: Engine, batcher: Batcher[Work], counters: ModelCounters) -> None:
         self.model = model
+        self.codec = ModelCodec(model)
         self.engine = engine
         self.batcher = batcher
         self.counters = counters
         self._stop = threading.Event()
         self._bufs = [np.empty((model.max_batch, *s.item_shape), dtype=s.dtype) for s in model.inputs]
-        self._codes = [P.dtype_code(s.dtype) for s in model.outputs]
         self._busy = threading.Lock()  # held while a batch runs, on the runner or inline
         self.avg_run_s = INLINE_BELOW_S  # moving average of gather+run; starts at "not cheap"
         self._thread = threading.Thread(target=self._loop, name=f"runner-{model.name}", daemon=True)
@@ -163,18 +164,20 @@ class ModelRunner:
         return {n: b[:row] for n, b in zip(names, self._bufs, strict=True)}, row
 
     def _complete(self, works: list[Work], outputs: list[np.ndarray]) -> None:
-        by_session: dict[WorkerSession, list[P.Result]] = defaultdict(list)
+        done: dict[WorkerSession, list[tuple[int, int, int, int]]] = defaultdict(list)
+        specs = self.model.outputs
         row = 0
         for w in works:
-            offsets, _end = out_layout(self.model.outputs, w.rows)
-            descs = []
-            for k, (arr, spec) in enumerate(zip(outputs, self.model.outputs, strict=True)):
-                shape = (w.rows, *spec.item_shape)
-                dst = w.session.segment.output_view(w.req.slot, offsets[k], spec.dtype, shape)
-                dst[...] = arr[row : row + w.rows]
-                descs.append(P.TensorDesc(k, self._codes[k], offsets[k], dst.nbytes, shape))
-            row += w.rows
-            w.session.segment.set_state(w.req.slot, SlotState.DONE, P.Status.OK)
-            by_session[w.session].append(P.Result(w.req.request_id, w.req.slot, w.req.generation, P.Status.OK, descs))
+            seg, req, rows = w.session.segment, w.req, w.rows
+            base = seg.layout.output_base(req.slot)
+            for arr, spec, off in zip(outputs, specs, self.codec.outputs[rows][0], strict=True):
+                # the offsets are the canonical layout, checked against out_capacity at session set-up
+                dst = np.frombuffer(seg.buf, spec.dtype, rows * spec.item_bytes // spec.dtype.itemsize, base + off)
+                dst.shape = (rows, *spec.item_shape)
+                dst[...] = arr[row : row + rows]
+            row += rows
+            seg.set_state(req.slot, SlotState.DONE, P.Status.OK)
+            done[w.session].append((req.request_id, req.slot, req.generation, rows))
         self.counters.count(P.Status.OK, len(works))
-        _send(by_session)
+        for session, items in done.items():
+            session.finish([slot for _r, slot, _g, _n in items], self.codec.done_ok(session.session_id, items))

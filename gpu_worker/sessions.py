@@ -76,6 +76,14 @@ class WorkerSession:
         except zmq.Again:
             return False
 
+    def claim_slots(self, slots: list[int]) -> bool:
+        """Claim all of them, or (one is in flight or named twice) none."""
+        with self._lock:
+            if len(set(slots)) != len(slots) or not self.in_flight.isdisjoint(slots):
+                return False
+            self.in_flight.update(slots)
+            return True
+
     def claim_slot(self, slot: int) -> bool:
         with self._lock:
             if slot in self.in_flight:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ import zmq
 from broker import protocol as P
 from broker import runtime
 from broker.config import Config
-from broker.ring import RingError, SlotState
+from broker.ring import HEADER_BYTES, RingError, SlotState
 from gpu_worker import model_source
 from gpu_worker.batcher import Batcher, Queued
 from gpu_worker.engines import Engine, IOSpec, load_engine
@@ -30,6 +31,10 @@ from gpu_worker.warmup import warm_up
 log = logging.getLogger(__name__)
 
 POLL_MS = 20
+SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
+STATE_GEN = struct.Struct("<II")  # the first two words of a slot header
+ROWS = struct.Struct("<q")
+ROWS_AT = 24  # dims[0] within a tensor descriptor
 SWEEP_S = 0.002  # how often queued requests are checked for expired deadlines
 POLLIN = int(zmq.POLLIN)  # a plain int: the enum's __and__ costs microseconds on the hot path
 
@@ -161,6 +166,8 @@ class Worker:
 
     def on_submit(self, frames: list[bytes]) -> None:
         """Check and queue every request of one SUBMIT; answer the rejected ones at once."""
+        if len(frames) == 2 and frames[0] == SUBMIT_ENVELOPE and self._fast_submit(frames[1]):
+            return
         try:
             if P.read_envelope(frames) != P.MsgKind.SUBMIT:
                 raise P.ProtocolError("the data socket takes only SUBMIT")
@@ -187,6 +194,55 @@ class Worker:
         if rejected:
             session.finish(freed, P.encode_done(P.DoneBatch(session.session_id, rejected)))
 
+    def _fast_submit(self, body: bytes) -> bool:
+        """Admit a whole SUBMIT whose every request is canonical (see gpu_worker.codec); False: no request was
+        admitted and the message takes the detailed path, which answers each fault with its own status."""
+        if len(body) < P.SUBMIT_HEADER.size:
+            return False
+        sid, n_req, n_t, _flags, token = P.SUBMIT_HEADER.unpack_from(body)
+        t_base = P.SUBMIT_HEADER.size + P.REQUEST.size * n_req
+        session = self.sessions.get(sid)
+        if len(body) != t_base + P.TENSOR.size * n_t or session is None or session.token != token:
+            return False
+        buf, stride, n_slots, max_items = session.segment.buf, session.layout.slot_stride, session.layout.n_slots, \
+            session.max_items
+        accepted = []
+        records = body[P.SUBMIT_HEADER.size : t_base]
+        for rid, slot, gen, model_id, first, count, timeout_us in P.REQUEST.iter_unpack(records):
+            m = self.models.get(model_id)
+            if m is None or slot >= n_slots or count != m.runner.codec.n_inputs or first > n_t or count > n_t - first:
+                return False
+            start = t_base + P.TENSOR.size * first
+            rows = ROWS.unpack_from(body, start + ROWS_AT)[0]
+            canon = m.runner.codec.inputs.get(rows)
+            if canon is None or rows > max_items or body[start : start + P.TENSOR.size * count] != canon[0]:
+                return False
+            state, generation = STATE_GEN.unpack_from(buf, HEADER_BYTES + slot * stride)
+            if state != SlotState.SUBMITTED or generation != gen:
+                return False
+            accepted.append((m, P.SubmitRequest(rid, slot, gen, model_id, timeout_us, canon[1]), rows))
+        if session.detaching or not session.claim_slots([req.slot for _m, req, _r in accepted]):
+            return False
+        now = time.monotonic()
+        full: list[P.SubmitRequest] = []
+        for m, req, rows in accepted:
+            timeout = req.timeout_us / 1e6 if req.timeout_us else m.view.timeout_ms / 1e3
+            if not m.runner.batcher.put(Queued(Work(session, req, rows), rows, now + timeout, now), not m.runner.cheap):
+                full.append(req)
+                m.runner.counters.count(P.Status.OVERLOADED)
+        if full:
+            self._answer_overloaded(session, full)
+        return True
+
+    def _answer_overloaded(self, session: WorkerSession, reqs: list[P.SubmitRequest]) -> None:
+        results = []
+        for req in reqs:
+            session.segment.set_state(req.slot, SlotState.FAILED, P.Status.OVERLOADED)
+            model = self.models[req.model_id]
+            results.append(P.Result(req.request_id, req.slot, req.generation, P.Status.OVERLOADED, [],
+                                    overloaded_message(model.view.name, model.runner.batcher.max_queue_size)))
+        session.finish([r.slot for r in reqs], P.encode_done(P.DoneBatch(session.session_id, results)))
+
     def _admit(self, session: WorkerSession, req: P.SubmitRequest, now: float) -> None:
         """Queue one request, or raise Rejected (``claimed`` set when the slot was taken)."""
         model = self.models.get(req.model_id)
@@ -203,8 +259,8 @@ class Worker:
         entry = Queued(Work(session, req, rows), rows, now + timeout, now)
         if not model.runner.batcher.put(entry, wake=not model.runner.cheap):
             counters.count(P.Status.OVERLOADED)
-            raise Rejected(P.Status.OVERLOADED, f"model {model.view.name!r} has {model.runner.batcher.max_queue_size}"
-                           " requests queued (models.*.max_queue_size)", claimed=True)
+            message = overloaded_message(model.view.name, model.runner.batcher.max_queue_size)
+            raise Rejected(P.Status.OVERLOADED, message, claimed=True)
 
     def _sweep(self) -> None:
         """Answer queued requests whose deadline passed, and finish detaches that waited for in-flight work."""
@@ -276,6 +332,10 @@ class Worker:
 
     def _send_ctl(self, msg: msgspec.Struct) -> None:
         self._ctl.send_multipart(P.encode(msg))
+
+
+def overloaded_message(model: str, size: int) -> str:
+    return f"model {model!r} has {size} requests queued (models.{model}.max_queue_size)"
 
 
 def _spec(s: IOSpec) -> P.TensorSpec:

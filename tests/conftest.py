@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -34,6 +35,13 @@ max_queue_delay_us = 2000
 max_queue_size = 3
 timeout_ms = 20000
 """
+
+
+def arr(y: object) -> np.ndarray:
+    """The single output of a model, as the client returns it for one-output models."""
+    if not isinstance(y, np.ndarray):
+        raise AssertionError(f"expected one array, got {type(y).__name__}")
+    return y
 
 
 def write_config(path: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS) -> Path:

@@ -15,7 +15,7 @@ from tests.conftest import REPO
 from tests.test_e2e import direct
 
 
-def test_infer_prints_the_scores_of_image_files(process_broker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_infer_prints_the_scores_of_image_files(process_broker, tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     paths = []
     for i in range(2):

@@ -195,10 +195,11 @@ def test_model_that_is_not_a_table() -> None:
     assert "Expected `object`, got `int`" in msg
 
 
-def test_preferred_batch_size_above_max_batch() -> None:
-    msg = _error(_model(max_batch=8, preferred_batch_sizes=[4, 16, 32]))
+@pytest.mark.parametrize(("sizes", "too_big"), [([4, 16, 32], "[16, 32]"), ([9], "[9]"), ([8, 9], "[9]")])
+def test_preferred_batch_size_above_max_batch(sizes: list[int], too_big: str) -> None:
+    msg = _error(_model(max_batch=8, preferred_batch_sizes=sizes))
     assert "key 'models.m.preferred_batch_sizes'" in msg
-    assert "[16, 32] exceed max_batch 8" in msg
+    assert f"{too_big} exceed max_batch 8" in msg
 
 
 def test_preferred_batch_size_equal_to_max_batch_is_fine() -> None:

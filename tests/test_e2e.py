@@ -12,7 +12,7 @@ import pytest
 
 from client import AsyncClient, BadInput, Client, RequestTimeout, UnknownModel
 from gpu_worker.model_source import resolve, tiny_model_bytes
-from tests.conftest import RunningBroker
+from tests.conftest import RunningBroker, arr
 
 
 @cache
@@ -51,7 +51,7 @@ def _client_process(seed: int, n: int, runtime_dir: str, q: mp.Queue) -> None:  
         futures = [c.submit("tiny", x) for x in xs[:8]]
         done = 0
         while futures:
-            y = futures.pop(0).result(30)
+            y = arr(futures.pop(0).result(30))
             x = xs[done]
             wrong += int(not np.allclose(y, direct("tiny", x), rtol=0, atol=1e-5))
             done += 1
@@ -120,4 +120,4 @@ def test_client_side_errors_name_the_field(broker: RunningBroker) -> None:
             c.infer("nsfw", np.zeros((1, 224, 224, 3), np.float32), timeout=1e-6)
         assert e5.value.code == "TIMEOUT"
         x = np.ones((1, 256), np.float32)
-        np.testing.assert_allclose(c.infer("tiny", x), direct("tiny", x), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(arr(c.infer("tiny", x)), direct("tiny", x), rtol=0, atol=1e-5)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from client import Client, WorkerDied
-from tests.conftest import REPO, start_broker
+from tests.conftest import REPO, arr, start_broker
 from tests.test_e2e import direct
 
 X = np.ones((1, 256), np.float32)
@@ -48,7 +48,7 @@ def test_sigterm_removes_segments_sockets_and_children(tmp_path: Path, mode: str
         c.close()
 
 
-def test_segment_and_socket_modes_are_private(process_broker) -> None:  # type: ignore[no-untyped-def]
+def test_segment_and_socket_modes_are_private(process_broker) -> None:
     with Client(process_broker.runtime_dir) as c:
         st = os.stat(_session_segment(c))
         assert stat.S_IMODE(st.st_mode) == 0o600
@@ -71,7 +71,7 @@ def _open_as_nobody(path: str) -> int:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to uid 65534")
-def test_other_uid_cannot_open_a_session_segment(process_broker) -> None:  # type: ignore[no-untyped-def]
+def test_other_uid_cannot_open_a_session_segment(process_broker) -> None:
     with Client(process_broker.runtime_dir) as c:
         assert _open_as_nobody(str(_session_segment(c))) == 13
 
@@ -85,12 +85,12 @@ def test_configured_group_gives_0660(tmp_path: Path) -> None:
             st = os.stat(_session_segment(c))
             assert stat.S_IMODE(st.st_mode) == 0o660
             assert st.st_gid == grp.getgrnam(group).gr_gid
-            np.testing.assert_allclose(c.infer("tiny", X), direct("tiny", X), rtol=0, atol=1e-5)
+            np.testing.assert_allclose(arr(c.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
     finally:
         assert b.stop() == 0
 
 
-def test_health_cli(process_broker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_health_cli(process_broker, tmp_path: Path) -> None:
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(process_broker.runtime_dir))
     ok = subprocess.run([sys.executable, "-m", "broker.cli", "health", "--wait", "10"], env=env, cwd=REPO,
                         capture_output=True, text=True, check=False)
@@ -102,10 +102,10 @@ def test_health_cli(process_broker, tmp_path: Path) -> None:  # type: ignore[no-
     assert bad.returncode != 0 and "no broker answered" in bad.stderr
 
 
-def test_dead_worker_is_restarted_and_clients_are_told(process_broker) -> None:  # type: ignore[no-untyped-def]
+def test_dead_worker_is_restarted_and_clients_are_told(process_broker) -> None:
     b = process_broker
     with Client(b.runtime_dir) as c:
-        np.testing.assert_allclose(c.infer("tiny", X), direct("tiny", X), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(arr(c.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
         (worker,) = b.worker_pids()
         slow = [c.submit("nsfw", np.zeros((1, 224, 224, 3), np.float32)) for _ in range(3)]
         os.kill(worker, signal.SIGKILL)
@@ -113,7 +113,7 @@ def test_dead_worker_is_restarted_and_clients_are_told(process_broker) -> None: 
             exc = f.exception(30)
             assert exc is None or isinstance(exc, WorkerDied), exc
         c.wait_ready("tiny", timeout=60)
-        np.testing.assert_allclose(c.infer("tiny", X), direct("tiny", X), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(arr(c.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
         assert b.worker_pids() != [worker]
         assert b.stats().workers[0].restarts == 1
 

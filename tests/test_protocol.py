@@ -21,9 +21,7 @@ from broker import protocol as P
 # ---------------------------------------------------------------------------------------------------------
 _SPEC_IN = P.TensorSpec(name="input:0", dtype="float32", shape=[-1, 224, 224, 3])
 _SPEC_OUT = P.TensorSpec(name="outputs", dtype="float32", shape=[-1, 2])
-_MODEL = P.ModelInfo(
-    model_id=3, name="nsfw", max_batch=16, inputs=[_SPEC_IN], outputs=[_SPEC_OUT], timeout_ms=5000
-)
+_MODEL = P.ModelInfo(model_id=3, name="nsfw", max_batch=16, inputs=[_SPEC_IN], outputs=[_SPEC_OUT], timeout_ms=5000)
 _WORKER = P.WorkerInfo(
     worker_id=2,
     device="cuda:1",
@@ -79,6 +77,7 @@ CONTROL_SAMPLES: list[msgspec.Struct] = [
     P.WorkerFailed(worker_id=2, reason="CUDA out of memory"),
     P.Attach(**_RING, token=55),
     P.AttachOk(session_id=7, reply_endpoint="ipc:///tmp/r.sock"),
+    P.AttachFailed(session_id=7, reason="cannot map segment: No such file or directory"),
     P.Detach(session_id=7),
     P.DetachOk(session_id=7),
     P.WorkerStatsRequest(request_id=11),
@@ -135,11 +134,12 @@ def test_envelope_of_wrong_size(head: bytes) -> None:
 @pytest.mark.parametrize("version", [0, 2, 0xFFFF])
 def test_wrong_version(version: int) -> None:
     frames = [P.ENVELOPE.pack(version, P.MsgKind.BYE), _BODY]
-    with pytest.raises(P.ProtocolError, match=f"protocol version {version} is not supported"):
+    with pytest.raises(P.VersionError, match=f"protocol version {version} is not supported"):
         P.decode(frames)
+    assert issubclass(P.VersionError, P.ProtocolError)
 
 
-@pytest.mark.parametrize("kind", [0, 13, 19, 30, 34, 0xFFFF])
+@pytest.mark.parametrize("kind", [0, 13, 19, 31, 34, 0xFFFF])
 def test_unknown_kind(kind: int) -> None:
     frames = [P.ENVELOPE.pack(P.PROTOCOL_VERSION, kind), _BODY]
     with pytest.raises(P.ProtocolError, match=f"unknown message kind {kind}"):
@@ -153,9 +153,7 @@ def test_data_plane_kind_is_not_a_control_message(kind: P.MsgKind) -> None:
 
 
 # -- body refusals -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "body", [b"", b"{", b"not json", b'{"session_id": 1', b"\xff\xfe", b'{"session_id": 1}x']
-)
+@pytest.mark.parametrize("body", [b"", b"{", b"not json", b'{"session_id": 1', b"\xff\xfe", b'{"session_id": 1}x'])
 def test_bad_json(body: bytes) -> None:
     with pytest.raises(P.ProtocolError, match=r"^BYE: "):
         P.decode([P.envelope(P.MsgKind.BYE), body])
@@ -264,9 +262,7 @@ def _submit_sample() -> P.SubmitBatch:
         session_id=7,
         token=2**64 - 1,
         requests=[
-            P.SubmitRequest(
-                1, slot=0, generation=1, model_id=0, timeout_us=500_000, tensors=[_td(0, (1, 256))]
-            ),
+            P.SubmitRequest(1, slot=0, generation=1, model_id=0, timeout_us=500_000, tensors=[_td(0, (1, 256))]),
             P.SubmitRequest(
                 2**64 - 1,
                 slot=15,
@@ -300,9 +296,7 @@ def _done_sample() -> P.DoneBatch:
                 status=P.Status.BAD_SHAPE,
                 message="input 0: shape (3,) is not [-1,256]",
             ),
-            P.Result(
-                3, slot=4, generation=9, status=P.Status.OK, tensors=[_td(0, (4, 2)), _td(1, (4,), offset=64)]
-            ),
+            P.Result(3, slot=4, generation=9, status=P.Status.OK, tensors=[_td(0, (4, 2)), _td(1, (4,), offset=64)]),
             P.Result(4, slot=5, generation=1, status=P.Status.INTERNAL, message="CUDA error: ünïcödé ✓"),
             P.Result(5, slot=6, generation=1, status=P.Status.TIMEOUT),
         ],
@@ -325,9 +319,7 @@ def test_submit_header_and_tensor_indices_on_the_wire() -> None:
     body = P.encode_submit(_submit_sample())[1]
     session_id, n_req, n_t, flags, token = P.SUBMIT_HEADER.unpack_from(body)
     assert (session_id, n_req, n_t, flags, token) == (7, 4, 4, 0, 2**64 - 1)
-    spans = [
-        P.REQUEST.unpack_from(body, P.SUBMIT_HEADER.size + i * P.REQUEST.size)[4:6] for i in range(n_req)
-    ]
+    spans = [P.REQUEST.unpack_from(body, P.SUBMIT_HEADER.size + i * P.REQUEST.size)[4:6] for i in range(n_req)]
     assert spans == [(0, 1), (1, 2), (3, 0), (3, 1)]
 
 
@@ -584,9 +576,7 @@ def test_mutated_bodies_never_crash_the_binary_decoders(data: st.DataObject) -> 
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=12,
 )
 

@@ -11,7 +11,7 @@ import pytest
 
 from broker import protocol as P
 from client import Client, Overloaded
-from tests.conftest import RunningBroker
+from tests.conftest import RunningBroker, arr
 from tests.rawclient import RawClient
 from tests.test_e2e import direct
 
@@ -19,7 +19,7 @@ S = P.Status
 
 
 @pytest.fixture
-def raw(broker: RunningBroker):  # type: ignore[no-untyped-def]
+def raw(broker: RunningBroker):
     rc = RawClient(broker.runtime_dir)
     yield rc
     rc.close()
@@ -151,6 +151,6 @@ def test_overload_is_answered_at_once(broker: RunningBroker) -> None:
             outcomes.append(type(exc).__name__ if exc else "ok")
         assert "Overloaded" in outcomes and "ok" in outcomes, outcomes
         assert set(outcomes) <= {"Overloaded", "ok"}
-        err = next(f.exception() for f in futs if isinstance(f.exception(), Overloaded))
-        assert err is not None and err.code == "OVERLOADED" and "max_queue_size" in str(err)
-        np.testing.assert_allclose(c.infer("nsfw", x), direct("nsfw", x), rtol=0, atol=1e-5)
+        err = next(e for f in futs if isinstance(e := f.exception(), Overloaded))
+        assert err.code == "OVERLOADED" and "max_queue_size" in str(err)
+        np.testing.assert_allclose(arr(c.infer("nsfw", x)), direct("nsfw", x), rtol=0, atol=1e-5)

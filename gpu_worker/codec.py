@@ -1,0 +1,55 @@
+"""Precomputed wire bytes of one model's descriptors, for the hot path of intake and completion.
+
+A well-behaved client packs a request's tensors as ``ring.pack_offsets`` says; for a given row count its
+descriptors are then always the same bytes. Intake compares the received bytes with these (one compare
+accepts dtype, shape, size and span at once, since the canonical layout is valid for every slot that
+holds ``rows``); anything else takes the detailed checks in ``intake``, which name the faulty field.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from broker import protocol as P
+from broker.ring import pack_offsets
+from gpu_worker.engines.base import IOSpec
+from gpu_worker.intake import ModelView
+
+RESULT_OK = struct.Struct("<QIIIIIIII")
+
+
+class ModelCodec:
+    def __init__(self, model: ModelView) -> None:
+        self.model = model
+        self.n_inputs = len(model.inputs)
+        self.n_outputs = len(model.outputs)
+        self._in_codes = [P.dtype_code(s.dtype) for s in model.inputs]
+        self._out_codes = [P.dtype_code(s.dtype) for s in model.outputs]
+        # rows -> (descriptor bytes, descriptors); rows -> (output offsets, output descriptor bytes)
+        self.inputs: dict[int, tuple[bytes, list[P.TensorDesc]]] = {}
+        self.outputs: dict[int, tuple[list[int], bytes]] = {}
+        for rows in range(1, model.max_batch + 1):
+            self.inputs[rows] = self._canon(model.inputs, self._in_codes, rows)
+            descs_bytes, descs = self._canon(model.outputs, self._out_codes, rows)
+            self.outputs[rows] = ([d.offset for d in descs], descs_bytes)
+
+    @staticmethod
+    def _canon(specs: list[IOSpec], codes: list[P.DType], rows: int) -> tuple[bytes, list[P.TensorDesc]]:
+        offsets, _end = pack_offsets([rows * s.item_bytes for s in specs])
+        descs = [
+            P.TensorDesc(k, int(codes[k]), offsets[k], rows * s.item_bytes, (rows, *s.item_shape))
+            for k, s in enumerate(specs)
+        ]
+        return b"".join(P.pack_tensor(d) for d in descs), descs
+
+    def done_ok(self, session_id: int, done: list[tuple[int, int, int, int]]) -> list[bytes]:
+        """The frames of a DONE that reports (request_id, slot, generation, rows) as OK."""
+        records = []
+        tensors = []
+        n_t = 0
+        for rid, slot, gen, rows in done:
+            records.append(RESULT_OK.pack(rid, slot, gen, 0, n_t, self.n_outputs, 0, 0, 0))
+            tensors.append(self.outputs[rows][1])
+            n_t += self.n_outputs
+        head = P.DONE_HEADER.pack(session_id, len(done), n_t, 0)
+        return [P.envelope(P.MsgKind.DONE), b"".join([head, *records, *tensors])]
