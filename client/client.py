@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import os
 import threading
 import time
@@ -25,8 +24,17 @@ import zmq
 
 from broker import protocol as P
 from broker import runtime
-from broker.ring import SlotState
-from client.errors import BadInput, RequestTimeout, ShmBrokerError, UnknownModel, WorkerDied, from_status
+from broker.ring import RingError, SlotState
+from client.errors import (
+    BadInput,
+    Overloaded,
+    RequestError,
+    RequestTimeout,
+    ShmBrokerError,
+    UnknownModel,
+    WorkerDied,
+    from_status,
+)
 from client.session import Link, ModelPlan, control_socket, handshake
 
 log = logging.getLogger(__name__)
@@ -34,6 +42,8 @@ log = logging.getLogger(__name__)
 Inputs = np.ndarray | Mapping[str, np.ndarray]
 Outputs = np.ndarray | dict[str, np.ndarray]
 GRACE_S = 2.0
+SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
+DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
 POLLIN = int(zmq.POLLIN)  # how long past its deadline a request may stay unanswered before the client gives up
 
 
@@ -43,8 +53,8 @@ class _Pending:
     generation: int
     plan: ModelPlan
     worker_id: int
-    on_done: Callable[[P.Result | ShmBrokerError], None]
-    release: bool  # free the slot when done (False: a zero-copy Request holds it)
+    on_done: Callable[[P.Result | ShmBrokerError], None]  # frees the slot, unless a zero-copy Request holds it
+    rows: int
 
 
 class Client:
@@ -75,6 +85,7 @@ class Client:
         self._pending: dict[int, _Pending] = {}
         self._free: list[int] = list(range(hs.setup.n_slots - 1, -1, -1))
         self._gens = [0] * hs.setup.n_slots
+        self._input_bases = [self.segment.layout.input_base(s) for s in range(hs.setup.n_slots)]
         self._slot_cond = threading.Condition()
         self._ids = itertools.count(1)
         self._cork = threading.local()
@@ -87,6 +98,8 @@ class Client:
         self._wake_lock = threading.Lock()
         for info in hs.ready.workers:
             self._links[info.worker_id] = Link(self._ctx, info)
+        self._link_list: tuple[Link, ...] = ()
+        self._links_updated()
         self._wait_links_up(connect_timeout)
         self._io = threading.Thread(target=self._io_loop, name=f"shmb-client-{self.session_id}", daemon=True)
         self._io.start()
@@ -95,6 +108,8 @@ class Client:
     # -- public API -------------------------------------------------------------------------------------------
     def infer(self, model: str, inputs: Inputs, timeout: float | None = None) -> Outputs:
         """Run one request and return its output (one array, or a dict when the model has several)."""
+        if threading.current_thread() is self._io:
+            raise ShmBrokerError("infer() cannot wait inside a completion callback; use submit()", "DEADLOCK")
         fut = self.submit(model, inputs, timeout)
         plan = self.models[model]
         wait = (timeout if timeout is not None else plan.info.timeout_ms / 1e3) + GRACE_S
@@ -111,16 +126,16 @@ class Client:
         _check_timeout(timeout)
         arrays = self._arrays(plan, inputs)
         rows = arrays[0].shape[0]
+        lay = plan.layout(rows)
         slot = self._acquire(timeout)
-        try:
-            offsets = plan.input_offsets(rows)
-            for k, arr in enumerate(arrays):
-                self.segment.input_view(slot, offsets[k], plan.in_dtypes[k], arr.shape)[...] = arr
-        except BaseException:
-            self._release(slot)
-            raise
+        base = self._input_bases[slot]
+        buf = self.segment.buf
+        for k, arr in enumerate(arrays):
+            start = base + lay.in_offsets[k]
+            # one memcpy into the slot; the shape and dtype were checked in _arrays
+            buf[start : start + lay.in_nbytes[k]] = np.ascontiguousarray(arr).data.cast("B")
         fut: Future[Outputs] = Future()
-        self._send(slot, plan, rows, timeout, lambda r: self._resolve(fut, plan, r), release=True)
+        self._send(slot, plan, rows, timeout, lambda r: self._resolve(fut, plan, slot, r), release=True)
         return fut
 
     @contextlib.contextmanager
@@ -188,6 +203,10 @@ class Client:
 
     def _arrays(self, plan: ModelPlan, inputs: Inputs) -> list[np.ndarray]:
         specs = plan.info.inputs
+        if (type(inputs) is np.ndarray and len(specs) == 1 and inputs.dtype == plan.in_dtypes[0]
+                and inputs.shape[1:] == plan.in_item_shapes[0] and 1 <= inputs.shape[0] <= self.max_items
+                and inputs.shape[0] <= plan.info.max_batch):
+            return [inputs]  # the common case, checked in one go; anything else gets the checks that explain
         if isinstance(inputs, np.ndarray):
             if len(specs) != 1:
                 raise BadInput(f"model {plan.info.name!r} takes inputs {[s.name for s in specs]}; pass a dict")
@@ -214,6 +233,9 @@ class Client:
 
     def _acquire(self, timeout: float | None) -> int:
         with self._slot_cond:
+            if not self._free and threading.current_thread() is self._io:
+                raise Overloaded(f"all {len(self._gens)} slots are in flight, and a completion callback cannot "
+                                 "wait for one (raise Client(slots=...))")
             if not self._free and not self._slot_cond.wait_for(lambda: self._free or self._stop.is_set(),
                                                                timeout if timeout is not None else None):
                 raise RequestTimeout(f"no free slot within {timeout} s (all {len(self._gens)} slots in flight)")
@@ -235,17 +257,12 @@ class Client:
             raise WorkerDied(f"no live worker serves model {plan.info.name!r} (the broker restarts dead ones)")
         rid = next(self._ids)
         gen = self._gens[slot] = (self._gens[slot] + 1) & 0xFFFF_FFFF
-        offsets = plan.input_offsets(rows)
-        tensors = []
-        for k, (item_shape, dt) in enumerate(zip(plan.in_item_shapes, plan.in_dtypes, strict=True)):
-            shape = (rows, *item_shape)
-            nbytes = math.prod(shape) * dt.itemsize
-            tensors.append(P.TensorDesc(k, P.dtype_code(dt), offsets[k], nbytes, shape))
         self.segment.publish_slot(slot, SlotState.SUBMITTED, gen, rid, 0)
         timeout_us = 0 if timeout is None else max(1, int(timeout * 1e6))
-        self._pending[slot] = _Pending(rid, gen, plan, link.worker_id, on_done, release)
+        self._pending[slot] = _Pending(rid, gen, plan, link.worker_id, on_done, rows)
         link.outstanding += 1
-        link.queue.append(P.SubmitRequest(rid, slot, gen, plan.info.model_id, timeout_us, tensors))
+        lay = plan.layout(rows)
+        link.queue.append((rid, slot, gen, plan.info.model_id, len(lay.in_offsets), timeout_us, lay.in_descs))
         if not getattr(self._cork, "on", False):
             self._flush(link)
 
@@ -263,11 +280,17 @@ class Client:
             if not link.send_lock.acquire(blocking=False):
                 return
             try:
-                batch = []
+                records: list[bytes] = []
+                descs: list[bytes] = []
+                n_t = 0
                 while link.queue:
-                    batch.append(link.queue.popleft())
-                if batch and link.up:
-                    link.push.send_multipart(P.encode_submit(P.SubmitBatch(self.session_id, self._token, batch)))
+                    rid, slot, gen, model_id, n, timeout_us, desc = link.queue.popleft()
+                    records.append(P.REQUEST.pack(rid, slot, gen, model_id, n_t, n, timeout_us))
+                    descs.append(desc)
+                    n_t += n
+                if records and link.up:
+                    head = P.SUBMIT_HEADER.pack(self.session_id, len(records), n_t, 0, self._token)
+                    link.push.send_multipart([SUBMIT_ENVELOPE, b"".join([head, *records, *descs])])
             finally:
                 link.send_lock.release()
 
@@ -275,28 +298,43 @@ class Client:
         for link in self._snapshot_links():
             self._flush(link)
 
-    def _snapshot_links(self) -> list[Link]:
+    def _snapshot_links(self) -> tuple[Link, ...]:
+        return self._link_list  # replaced whole (under _links_lock) whenever a link comes or goes
+
+    def _links_updated(self) -> None:
         with self._links_lock:
-            return list(self._links.values())
+            self._link_list = tuple(self._links.values())
 
     # -- completion (IO thread) -------------------------------------------------------------------------------
-    def _resolve(self, fut: Future[Outputs], plan: ModelPlan, r: P.Result | ShmBrokerError) -> None:
+    def _resolve(self, fut: Future[Outputs], plan: ModelPlan, slot: int, r: P.Result | ShmBrokerError) -> None:
+        """Copy the outputs out, free the slot, then complete the Future (so its callbacks find a free slot)."""
+        error: ShmBrokerError | None = None
+        value: Outputs | None = None
+        try:
+            if isinstance(r, ShmBrokerError):
+                error = r
+            elif r.status != P.Status.OK:
+                error = from_status(r.status, r.message)
+            else:
+                outs = [self.segment.output_view(slot, t.offset, plan.out_dtypes[t.index], t.shape).copy()
+                        for t in r.tensors]
+                specs = plan.info.outputs
+                value = outs[0] if len(specs) == 1 else {s.name: o for s, o in zip(specs, outs, strict=True)}
+        except (RingError, IndexError) as exc:  # a worker that describes outputs outside the slot
+            error = RequestError(f"the worker's output descriptors do not fit the slot: {exc}")
+        finally:
+            self._release(slot)
         if not fut.set_running_or_notify_cancel():
-            return  # the caller cancelled (asyncio.wait_for, say): the slot is still freed
-        if isinstance(r, ShmBrokerError):
-            fut.set_exception(r)
-        elif r.status != P.Status.OK:
-            fut.set_exception(from_status(r.status, r.message))
+            return  # the caller cancelled (asyncio.wait_for, say)
+        if error is not None:
+            fut.set_exception(error)
         else:
-            outs = [self.segment.output_view(r.slot, t.offset, plan.out_dtypes[t.index], t.shape).copy()
-                    for t in r.tensors]
-            specs = plan.info.outputs
-            fut.set_result(outs[0] if len(specs) == 1 else {s.name: o for s, o in zip(specs, outs, strict=True)})
+            fut.set_result(value)  # type: ignore[arg-type]
 
     def _io_loop(self) -> None:
         """(1) poll, (2) DONEs from workers, (3) notices from the broker, (4) links coming up."""
         poller: zmq.Poller | None = None
-        links: list[Link] = []
+        links: tuple[Link, ...] = ()
         try:
             while not self._stop.is_set():
                 if poller is None or self._links_changed:
@@ -318,7 +356,7 @@ class Client:
         except zmq.ContextTerminated:
             return
 
-    def _make_poller(self) -> tuple[zmq.Poller, list[Link]]:
+    def _make_poller(self) -> tuple[zmq.Poller, tuple[Link, ...]]:
         self._links_changed = False
         links = self._snapshot_links()
         poller = zmq.Poller()
@@ -337,18 +375,41 @@ class Client:
                 if not int(link.pull.get(zmq.EVENTS)) & POLLIN:
                     break
                 frames = link.pull.recv_multipart(zmq.NOBLOCK)
-                try:
-                    if P.read_envelope(frames) != P.MsgKind.DONE:
-                        raise P.ProtocolError("a reply socket carries only DONE")
-                    done = P.decode_done(frames[1])
-                except P.ProtocolError as exc:
-                    log.error("malformed DONE from worker %d: %s", link.worker_id, exc)
-                    continue
-                for r in done.results:
+                results = self._fast_done(frames)
+                if results is None:
+                    try:
+                        if P.read_envelope(frames) != P.MsgKind.DONE:
+                            raise P.ProtocolError("a reply socket carries only DONE")
+                        results = P.decode_done(frames[1]).results
+                    except P.ProtocolError as exc:
+                        log.error("malformed DONE from worker %d: %s", link.worker_id, exc)
+                        continue
+                for r in results:
                     self._complete(link, r)
         finally:
             self._cork.on = False
         self._flush_all()
+
+    def _fast_done(self, frames: list[bytes]) -> list[P.Result] | None:
+        """Results of a DONE whose every result is OK with the canonical output layout; else None."""
+        if len(frames) != 2 or frames[0] != DONE_ENVELOPE or len(frames[1]) < P.DONE_HEADER.size:
+            return None
+        body = frames[1]
+        _sid, n_res, n_t, text_len = P.DONE_HEADER.unpack_from(body)
+        t_base = P.DONE_HEADER.size + P.RESULT.size * n_res
+        if len(body) != t_base + P.TENSOR.size * n_t + text_len:
+            return None
+        out = []
+        for rid, slot, gen, status, first, count, _mo, _ml, _r in P.RESULT.iter_unpack(body[P.DONE_HEADER.size:t_base]):
+            p = self._pending.get(slot)
+            if status or p is None or p.request_id != rid or p.generation != gen or first > n_t or count > n_t - first:
+                return None
+            lay = p.plan.layout(p.rows)
+            start = t_base + P.TENSOR.size * first
+            if body[start : start + P.TENSOR.size * count] != lay.out_desc_bytes:
+                return None
+            out.append(P.Result(rid, slot, gen, 0, lay.out_descs))
+        return out
 
     def _complete(self, link: Link, r: P.Result | ShmBrokerError, slot: int | None = None) -> None:
         slot = r.slot if isinstance(r, P.Result) else slot
@@ -360,11 +421,7 @@ class Client:
             return
         del self._pending[slot]
         link.outstanding -= 1
-        try:
-            p.on_done(r)
-        finally:
-            if p.release:
-                self._release(slot)
+        p.on_done(r)
 
     def _drain_control(self) -> None:
         while True:
@@ -387,6 +444,7 @@ class Client:
             link = self._links.pop(worker_id, None)
         if link is None:
             return
+        self._links_updated()
         self._links_changed = True
         link.close()
         err = f"worker {worker_id} died ({reason})"
@@ -396,15 +454,11 @@ class Client:
         log.warning("%s", err)
 
     def _worker_up(self, info: P.WorkerInfo) -> None:
-        old = None
-        with self._links_lock:
-            old = self._links.pop(info.worker_id, None)
-        if old is not None:
-            self._worker_down(info.worker_id, "replaced")
-            old.close()
+        self._worker_down(info.worker_id, "replaced")  # a link we still hold is to the dead predecessor
         link = Link(self._ctx, info)
         with self._links_lock:
             self._links[info.worker_id] = link
+        self._links_updated()
         self._links_changed = True
 
     def _wait_links_up(self, timeout: float) -> None:

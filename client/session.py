@@ -21,24 +21,53 @@ from client.errors import HandshakeError
 
 
 @dataclass(frozen=True)
+class RowsLayout:
+    """Everything about a request of one row count that does not change between requests."""
+
+    in_offsets: list[int]
+    in_nbytes: list[int]
+    in_descs: bytes  # the SUBMIT tensor descriptors, packed
+    out_descs: list[P.TensorDesc]
+    out_desc_bytes: bytes  # what a worker's DONE carries for such a request when it packs canonically
+
+
+def _descs(dtypes: list[np.dtype[Any]], item_shapes: list[tuple[int, ...]], rows: int) -> list[P.TensorDesc]:
+    sizes = [rows * math.prod(s) * d.itemsize for s, d in zip(item_shapes, dtypes, strict=True)]
+    offsets = pack_offsets(sizes)[0]
+    return [P.TensorDesc(k, int(P.dtype_code(d)), offsets[k], sizes[k], (rows, *item_shapes[k]))
+            for k, d in enumerate(dtypes)]
+
+
+@dataclass(frozen=True)
 class ModelPlan:
-    """A model as the client sees it, with the packing of its inputs precomputed."""
+    """A model as the client sees it, with the packing of its tensors precomputed per row count."""
 
     info: P.ModelInfo
     in_dtypes: list[np.dtype[Any]]
     in_item_shapes: list[tuple[int, ...]]
     out_dtypes: list[np.dtype[Any]]
+    out_item_shapes: list[tuple[int, ...]]
+    _layouts: dict[int, RowsLayout]
 
     @classmethod
     def of(cls, info: P.ModelInfo) -> ModelPlan:
         return cls(
             info, [np.dtype(s.dtype) for s in info.inputs], [tuple(s.shape[1:]) for s in info.inputs],
-            [np.dtype(s.dtype) for s in info.outputs],
+            [np.dtype(s.dtype) for s in info.outputs], [tuple(s.shape[1:]) for s in info.outputs], {},
         )
 
+    def layout(self, rows: int) -> RowsLayout:
+        lay = self._layouts.get(rows)
+        if lay is None:
+            ins = _descs(self.in_dtypes, self.in_item_shapes, rows)
+            outs = _descs(self.out_dtypes, self.out_item_shapes, rows)
+            lay = RowsLayout([d.offset for d in ins], [d.nbytes for d in ins], b"".join(map(P.pack_tensor, ins)),
+                             outs, b"".join(map(P.pack_tensor, outs)))
+            self._layouts[rows] = lay
+        return lay
+
     def input_offsets(self, rows: int) -> list[int]:
-        sizes = [rows * math.prod(s) * d.itemsize for s, d in zip(self.in_item_shapes, self.in_dtypes, strict=True)]
-        return pack_offsets(sizes)[0]
+        return self.layout(rows).in_offsets
 
 
 class Link:
@@ -54,7 +83,8 @@ class Link:
         self.outstanding = 0
         self.up = False
         self.send_lock = threading.Lock()
-        self.queue: collections.deque[P.SubmitRequest] = collections.deque()
+        # (request_id, slot, generation, model_id, n_tensors, timeout_us, packed descriptors)
+        self.queue: collections.deque[tuple[int, int, int, int, int, int, bytes]] = collections.deque()
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.RCVHWM, 0)

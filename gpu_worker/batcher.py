@@ -62,6 +62,17 @@ class Batcher(Generic[T]):
                 self._cond.notify()
         return True
 
+    def put_many(self, entries: list[Queued[T]], wake: bool = True) -> int:
+        """Queue entries in order under one lock; returns how many fitted (the rest get OVERLOADED)."""
+        with self._cond:
+            room = 0 if self._closed else max(0, self.max_queue_size - len(self._q))
+            taken = entries[:room]
+            self._q.extend(taken)
+            self._items += sum(e.items for e in taken)
+            if wake and taken:
+                self._cond.notify()
+        return len(taken)
+
     def kick(self) -> None:
         """Wake the runner if anything is queued."""
         with self._cond:

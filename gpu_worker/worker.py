@@ -224,12 +224,17 @@ class Worker:
         if session.detaching or not session.claim_slots([req.slot for _m, req, _r in accepted]):
             return False
         now = time.monotonic()
-        full: list[P.SubmitRequest] = []
+        by_model: dict[int, list[Queued[Work]]] = {}
         for m, req, rows in accepted:
             timeout = req.timeout_us / 1e6 if req.timeout_us else m.view.timeout_ms / 1e3
-            if not m.runner.batcher.put(Queued(Work(session, req, rows), rows, now + timeout, now), not m.runner.cheap):
-                full.append(req)
-                m.runner.counters.count(P.Status.OVERLOADED)
+            by_model.setdefault(req.model_id, []).append(Queued(Work(session, req, rows), rows, now + timeout, now))
+        full: list[P.SubmitRequest] = []
+        for model_id, entries in by_model.items():
+            runner = self.models[model_id].runner
+            fitted = runner.batcher.put_many(entries, wake=not runner.cheap)
+            if fitted < len(entries):
+                full.extend(e.item.req for e in entries[fitted:])
+                runner.counters.count(P.Status.OVERLOADED, len(entries) - fitted)
         if full:
             self._answer_overloaded(session, full)
         return True

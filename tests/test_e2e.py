@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import threading
+from concurrent.futures import Future
 from functools import cache
 
 import numpy as np
@@ -11,6 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from client import AsyncClient, BadInput, Client, RequestTimeout, UnknownModel
+from client.client import Outputs
 from gpu_worker.model_source import resolve, tiny_model_bytes
 from tests.conftest import RunningBroker, arr
 
@@ -121,3 +124,23 @@ def test_client_side_errors_name_the_field(broker: RunningBroker) -> None:
         assert e5.value.code == "TIMEOUT"
         x = np.ones((1, 256), np.float32)
         np.testing.assert_allclose(arr(c.infer("tiny", x)), direct("tiny", x), rtol=0, atol=1e-5)
+
+
+def test_callbacks_can_submit_with_a_single_slot(broker: RunningBroker) -> None:
+    """A done-callback runs on the client's IO thread; the slot it finished is free again for the next submit."""
+    finished = threading.Event()
+    results: list[np.ndarray] = []
+    xs = [np.full((1, 256), i, np.float32) for i in range(20)]
+    with Client(slots=1) as c:
+
+        def chain(fut: Future[Outputs]) -> None:
+            results.append(arr(fut.result()))
+            if len(results) == len(xs):
+                finished.set()
+            else:
+                c.submit("tiny", xs[len(results)]).add_done_callback(chain)
+
+        c.submit("tiny", xs[0]).add_done_callback(chain)
+        assert finished.wait(60), f"the chain stopped after {len(results)} results"
+    for x, y in zip(xs, results, strict=True):
+        np.testing.assert_allclose(y, direct("tiny", x), rtol=0, atol=1e-5)
