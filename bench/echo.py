@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -23,8 +24,10 @@ STOP = b"STOP"
 REPLY_TIMEOUT_MS = 5000
 
 
-def _serve(endpoint: str, ready: Event) -> None:
+def _serve(endpoint: str, ready: Event, with_tiny: bool = False) -> None:
+    """The echo loop; ``with_tiny`` also runs the tiny model once per message (the floor of any server)."""
     child_setup()
+    run = _tiny_runner() if with_tiny else None
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -35,20 +38,35 @@ def _serve(endpoint: str, ready: Event) -> None:
             frames = sock.recv_multipart()
             if len(frames) == 2 and frames[1] == STOP:
                 return
+            if run is not None:
+                run()
             sock.send_multipart(frames)
     finally:
         ctx.destroy(linger=0)
 
 
+def _tiny_runner() -> Callable[[], object]:
+    """One-row inference of the tiny model with the worker's own engine settings, nothing else."""
+    import numpy as np
+
+    from gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
+    from gpu_worker.model_source import tiny_model_bytes
+
+    engine = OnnxRuntimeEngine(tiny_model_bytes(), intra_op_threads=1)
+    feeds = {"x": np.zeros((1, 256), np.float32)}
+    return lambda: engine.run(feeds)
+
+
 class EchoServer:
     """The echo ROUTER in its own spawned process, bound to ``ipc://DIR/echo.sock``."""
 
-    def __init__(self, directory: Path) -> None:
-        self.endpoint = f"ipc://{directory / 'echo.sock'}"
+    def __init__(self, directory: Path, with_tiny: bool = False) -> None:
+        name = "floor" if with_tiny else "echo"
+        self.endpoint = f"ipc://{directory / (name + '.sock')}"
         ctx = spawn_context()
         self._ready = ctx.Event()
-        self._proc: SpawnProcess = ctx.Process(target=_serve, args=(self.endpoint, self._ready),
-                                               name="shmb-bench-echo", daemon=True)
+        self._proc: SpawnProcess = ctx.Process(target=_serve, args=(self.endpoint, self._ready, with_tiny),
+                                               name=f"shmb-bench-{name}", daemon=True)
 
     def __enter__(self) -> EchoServer:
         self._proc.start()

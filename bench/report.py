@@ -27,6 +27,9 @@ TARGETS: dict[str, tuple[tuple[str, str], tuple[str, str], str, float, str]] = {
 }
 INFO_RATIOS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
     "tiny_p99_over_echo_p99": (("tiny_latency", "p99_us"), ("echo_latency", "p99_us")),
+    # what any server that runs the model once per message costs: the floor under tiny_p50_over_echo_p50
+    "floor_p50_over_echo_p50": (("floor_latency", "p50_us"), ("echo_latency", "p50_us")),
+    "tiny_p50_over_floor_p50": (("tiny_latency", "p50_us"), ("floor_latency", "p50_us")),
 }
 
 
@@ -117,6 +120,7 @@ def _num(value: Any, fmt: str = "{:,.1f}") -> str:
 
 ROWS: list[tuple[str, str]] = [
     ("echo_latency", "raw zmq echo, 1 in flight"),
+    ("floor_latency", "echo + tiny ORT run, no broker (floor)"),
     ("tiny_latency", "tiny via broker, 1 in flight"),
     ("echo_throughput", "raw zmq echo, 4 procs x 8 in flight"),
     ("tiny_throughput", "tiny via broker, 4 procs x 8 in flight"),
@@ -164,6 +168,8 @@ def table(doc: Figures) -> str:
         verdict = "PASS" if r["pass"] else ("n/a" if r["value"] is None else "FAIL")
         lines.append(f"{name:<42} {_num(r['value'], '{:.3f}'):>9} {r['op'] + ' ' + format(r['target'], 'g'):>9}  "
                      f"{verdict}")
+    for name, value in doc.get("info_ratios", {}).items():
+        lines.append(f"{name:<42} {_num(value, '{:.3f}'):>9} {'(info)':>9}")
     b = doc.get("broker", {})
     if b:
         started = "never ready" if b.get("startup_s") is None else f"ready in {b['startup_s']:.1f} s"

@@ -151,9 +151,9 @@ class Bench:
         self.progress.phase(f"starting the broker ({self.cfg_path}) and the echo server")
         broker = self.broker = BrokerProcess(self.cfg_path, workdir, self.progress)
         try:
-            with echo.EchoServer(workdir) as server, broker:
+            with echo.EchoServer(workdir) as server, echo.EchoServer(workdir, with_tiny=True) as floor, broker:
                 self.progress.done(f"broker ready (instance {broker.instance}), echo server on {server.endpoint}")
-                self._broker_phases(broker, server.endpoint)
+                self._broker_phases(broker, server.endpoint, floor.endpoint)
         except BenchError as exc:
             self.failures.append(f"broker: {exc}")
             self.progress.note(f"FAILED: {exc}")
@@ -174,7 +174,7 @@ class Bench:
             self.skip("nsfw_inprocess", f"the config has no model {NSFW!r}")
         return shutdown
 
-    def _broker_phases(self, broker: BrokerProcess, endpoint: str) -> None:
+    def _broker_phases(self, broker: BrokerProcess, endpoint: str, floor_endpoint: str) -> None:
         s = self.s
         rt = str(broker.runtime_dir)
         lat = {"requests": s.latency_requests, "warmup": s.latency_warmup}
@@ -187,6 +187,9 @@ class Bench:
 
         self.phase("echo_latency", f"raw zmq echo latency, 1 in flight, {s.latency_requests} requests",
                    lambda: self.latency(echo.latency_client, {"endpoint": endpoint, **lat}), lat_summary)
+        self.phase("floor_latency", f"floor: echo server that also runs tiny once per message, "
+                   f"{s.latency_requests} requests",
+                   lambda: self.latency(echo.latency_client, {"endpoint": floor_endpoint, **lat}), lat_summary)
         if TINY in self.cfg.models:
             self.phase("tiny_latency", f"tiny latency via the broker, 1 in flight, {s.latency_requests} requests",
                        lambda: self.with_server_counters(broker, TINY, lambda: self.latency(
