@@ -157,6 +157,9 @@ def table(doc: Figures) -> str:
         if key == "nsfw_inprocess":
             notes = f"batch {f['best_batch']} (" + ", ".join(
                 f"b{b}: {v['items_per_s']:.1f}" for b, v in f["by_batch"].items()) + ")"
+            if "before_items_per_s" in f:
+                notes = (f"mean of before {f['before_items_per_s']:.1f} and after {f['after_items_per_s']:.1f}; "
+                         + notes)
         elif f.get("server_mean_batch") is not None:
             notes = f"mean batch {f['server_mean_batch']}"
         if isinstance(f.get("machine_cpu_busy_pct"), int | float):

@@ -12,6 +12,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,7 +118,7 @@ class Broker:
         finally:
             self.close()
 
-    def _drain(self, sock: zmq.Socket[bytes], handler: object) -> None:
+    def _drain(self, sock: zmq.Socket[bytes], handler: Callable[[bytes, msgspec.Struct], None]) -> None:
         for _ in range(1000):
             try:
                 identity, *frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -130,7 +131,7 @@ class Broker:
                 code = "BAD_VERSION" if isinstance(exc, P.VersionError) else "BAD_MESSAGE"
                 self._send(sock, identity, P.ErrorReply(code, str(exc)))
                 continue
-            handler(identity, msg)  # type: ignore[operator]
+            handler(identity, msg)
 
     def _send(self, sock: zmq.Socket[bytes], identity: bytes, msg: msgspec.Struct) -> bool:
         try:

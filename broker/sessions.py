@@ -10,7 +10,6 @@ import enum
 import logging
 import math
 import secrets
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -137,7 +136,3 @@ class SessionTable:
 
     def expired(self, now: float) -> list[BrokerSession]:
         return [s for s in self.by_id.values() if s.phase is not Phase.READY and s.deadline and now > s.deadline]
-
-
-def monotonic() -> float:
-    return time.monotonic()

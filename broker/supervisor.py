@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 
@@ -29,27 +30,22 @@ class WorkerPhase(enum.Enum):
     FAILED = 4  # dead after its models did not load; restarted with a growing backoff
 
 
-class Launch:
+class Launch(Protocol):
     """A running worker, process or thread; the supervisor sees only this."""
 
-    def __init__(self, cfg: Config, worker_id: int, runtime_dir: Path, restarts: int) -> None:
-        raise NotImplementedError
+    def __init__(self, cfg: Config, worker_id: int, runtime_dir: Path, restarts: int) -> None: ...
 
-    def alive(self) -> bool:
-        raise NotImplementedError
+    def alive(self) -> bool: ...
 
-    def stop(self, kill: bool = False) -> None:
-        raise NotImplementedError
+    def stop(self, kill: bool = False) -> None: ...
 
-    def wait(self, timeout: float) -> bool:
-        raise NotImplementedError
+    def wait(self, timeout: float) -> bool: ...
 
     @property
-    def pid(self) -> int:
-        raise NotImplementedError
+    def pid(self) -> int: ...
 
 
-class ProcessLaunch(Launch):
+class ProcessLaunch:
     def __init__(self, cfg: Config, worker_id: int, runtime_dir: Path, restarts: int) -> None:
         cmd = [sys.executable, "-m", "gpu_worker.process", "--worker-id", str(worker_id),
                "--runtime-dir", str(runtime_dir), "--restarts", str(restarts)]
@@ -87,7 +83,7 @@ class ProcessLaunch(Launch):
         return self._p.returncode
 
 
-class ThreadLaunch(Launch):
+class ThreadLaunch:
     """In-process mode: the same Worker logic in a thread of the broker (tests, single-process embedding)."""
 
     def __init__(self, cfg: Config, worker_id: int, runtime_dir: Path, restarts: int) -> None:

@@ -1,7 +1,7 @@
 """shmbroker's client library: ``Client`` (threads and futures) and ``AsyncClient`` (asyncio, uvloop)."""
 
 from client.aio import AsyncClient
-from client.client import Client, Request
+from client.client import Client
 from client.errors import (
     BadInput,
     HandshakeError,
@@ -12,6 +12,7 @@ from client.errors import (
     UnknownModel,
     WorkerDied,
 )
+from client.request import Request
 
 __all__ = [
     "AsyncClient",

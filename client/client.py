@@ -35,13 +35,22 @@ from client.errors import (
     WorkerDied,
     from_status,
 )
-from client.session import Link, ModelPlan, RowsLayout, control_socket, handshake
+from client.request import Request
+from client.session import GRACE_S, Link, ModelPlan, RowsLayout, control_socket, handshake
 
 log = logging.getLogger(__name__)
 
 Inputs = np.ndarray | Mapping[str, np.ndarray]
 Outputs = np.ndarray | dict[str, np.ndarray]
-GRACE_S = 2.0
+MAX_TIMEOUT_S = 0xFFFF_FFFF / 1e6  # timeout_us is a u32 on the wire
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
+        raise BadInput(f"timeout: expected 0 < timeout <= {MAX_TIMEOUT_S:.0f} s (or None: the model's default), "
+                       f"got {timeout}")
+
+
 _FORKS = [0]  # bumped in a forked child, so the per-request fork check needs no getpid() call
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
@@ -506,57 +515,3 @@ class Client:
         wake()
         if io is not threading.current_thread():
             io.join(timeout=5)
-
-
-MAX_TIMEOUT_S = 0xFFFF_FFFF / 1e6  # timeout_us is a u32 on the wire
-
-
-def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
-        raise BadInput(f"timeout: expected 0 < timeout <= {MAX_TIMEOUT_S:.0f} s (or None: the model's default), "
-                       f"got {timeout}")
-
-
-class Request:
-    """A held slot for zero-copy use: write ``inputs`` in place, ``run()``, then read the outputs in place."""
-
-    def __init__(self, client: Client, plan: ModelPlan, slot: int, rows: int, timeout: float | None) -> None:
-        self._client = client
-        self._plan = plan
-        self._slot = slot
-        self._rows = rows
-        self._timeout = timeout
-        self.in_flight = False
-        offsets = plan.input_offsets(rows)
-        self.inputs: dict[str, np.ndarray] = {
-            s.name: client.segment.input_view(slot, offsets[k], plan.in_dtypes[k], (rows, *plan.in_item_shapes[k]))
-            for k, s in enumerate(plan.info.inputs)
-        }
-        self.outputs: dict[str, np.ndarray] = {}
-
-    def run(self) -> Outputs:
-        """Send the slot as it is and wait; the result views point into the slot (no copy)."""
-        done: Future[P.Result | ShmBrokerError] = Future()
-        self.in_flight = True
-        self._client._send(self._slot, self._plan, self._rows, self._timeout, done.set_result, release=False)
-        wait = (self._timeout if self._timeout is not None else self._plan.info.timeout_ms / 1e3) + GRACE_S
-        try:
-            r = done.result(wait)
-        except TimeoutError:
-            raise RequestTimeout(f"no answer from the worker within {wait:.1f} s") from None
-        self.in_flight = False
-        if isinstance(r, ShmBrokerError):
-            raise r
-        if r.status != P.Status.OK:
-            raise from_status(r.status, r.message)
-        specs = self._plan.info.outputs
-        seg = self._client.segment
-        self.outputs = {
-            specs[t.index].name: seg.output_view(self._slot, t.offset, self._plan.out_dtypes[t.index], t.shape)
-            for t in r.tensors
-        }
-        return next(iter(self.outputs.values())) if len(specs) == 1 else dict(self.outputs)
-
-    def views_gone(self) -> None:
-        self.inputs.clear()
-        self.outputs.clear()

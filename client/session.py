@@ -19,6 +19,8 @@ from broker import runtime
 from broker.ring import RingLayout, Segment, pack_offsets
 from client.errors import HandshakeError
 
+GRACE_S = 2.0  # how long past its deadline a request may stay unanswered before the client gives up
+
 
 @dataclass(frozen=True)
 class RowsLayout:
