@@ -120,6 +120,7 @@ class ModelRunner:
         try:
             take = self.batcher.take_now()
             if take is None:
+                self.batcher.kick()  # queued but not due yet: the runner waits out max_queue_delay_us
                 return False
             self._run(take)
             return True

@@ -31,6 +31,7 @@ from gpu_worker.warmup import warm_up
 log = logging.getLogger(__name__)
 
 POLL_MS = 20
+INLINE_BATCHES = 8  # due batches of a cheap model run inline per wake-up; the runner takes any left
 SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
 STATE_GEN = struct.Struct("<II")  # the first two words of a slot header
 ROWS = struct.Struct("<q")
@@ -139,7 +140,11 @@ class Worker:
             if self._data in events:
                 self._drain_data()
                 for m in self.models.values():
-                    m.runner.try_inline()
+                    for _ in range(INLINE_BATCHES):
+                        if not m.runner.try_inline():
+                            break
+                    else:
+                        m.runner.batcher.kick()  # still more due: the runner thread takes the rest
             if self._ctl in events and not self._drain_control():
                 return
             self._sweep()

@@ -144,3 +144,11 @@ def test_callbacks_can_submit_with_a_single_slot(broker: RunningBroker) -> None:
         assert finished.wait(60), f"the chain stopped after {len(results)} results"
     for x, y in zip(xs, results, strict=True):
         np.testing.assert_allclose(y, direct("tiny", x), rtol=0, atol=1e-5)
+
+
+def test_lone_requests_meet_a_short_deadline_with_a_queue_delay(broker: RunningBroker) -> None:
+    """tiny waits up to 2 ms for company (max_queue_delay_us); a lone request must still run by its deadline."""
+    x = np.ones((1, 256), np.float32)
+    with Client() as c:
+        for _ in range(10):
+            np.testing.assert_allclose(arr(c.infer("tiny", x, timeout=0.25)), direct("tiny", x), rtol=0, atol=1e-5)
