@@ -6,6 +6,7 @@ owns its batches. ``gpu_worker.__main__`` wraps this in a process; the broker's 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import struct
@@ -123,6 +124,10 @@ class Worker:
         for m in self.models.values():
             m.runner.start()
         infos = [_model_info(m.view) for m in self.models.values()]
+        if self.cfg.broker.worker_mode == "process":
+            # everything loaded so far lives as long as the worker: keep it out of the collector's scans, so a
+            # full collection does not pause the serving loop for the engines' and libraries' objects
+            gc.freeze()
         self._send_ctl(P.WorkerReady(self.worker_id, self.endpoint, infos))
         try:
             self._serve(stop)
