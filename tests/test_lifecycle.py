@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from client import Client, WorkerDied
-from tests.conftest import REPO, arr, start_broker
+from tests.conftest import REPO, arr, start_broker, write_config
 from tests.test_e2e import direct
 
 X = np.ones((1, 256), np.float32)
@@ -125,3 +125,22 @@ def test_bad_config_is_refused_with_the_key(tmp_path: Path) -> None:
                        capture_output=True, text=True, check=False, timeout=60)
     assert r.returncode == 2
     assert "models.tiny.max_batch" in r.stderr and "int" in r.stderr
+
+
+def test_health_names_a_model_that_fails_to_load(tmp_path: Path) -> None:
+    models = '[models.broken]\npath = "no-such-model.onnx"\n'
+    runtime_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "broker.toml", "process", models=models)
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(runtime_dir))
+    proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "serve", "--config", str(cfg)], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        r = subprocess.run([sys.executable, "-m", "broker.cli", "health", "--wait", "4"], env=env, cwd=REPO,
+                           capture_output=True, text=True, check=False, timeout=60)
+        assert r.returncode == 1
+        assert "broken: NOT READY" in r.stdout
+        assert "model load failed" in r.stderr and "no-such-model.onnx" in r.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)  # SIGINT stops it as cleanly as SIGTERM
+        assert proc.wait(30) == 0
+    assert not runtime_dir.exists() or list(runtime_dir.iterdir()) == []
