@@ -68,6 +68,11 @@ class ModelPlan:
             self._layouts[rows] = lay
         return lay
 
+    def known_out_descs(self, rows: int) -> list[P.TensorDesc] | None:
+        """The cached canonical output descriptors for ``rows``, if a request of that size was made."""
+        lay = self._layouts.get(rows)
+        return lay.out_descs if lay is not None else None
+
     def input_offsets(self, rows: int) -> list[int]:
         return self.layout(rows).in_offsets
 
