@@ -84,7 +84,7 @@ class ModelRunner:
         self._buf_bytes = [b.data.cast("B") for b in self._bufs]
         self._in_item_bytes = [s.item_bytes for s in model.inputs]
         self._busy = threading.Lock()  # held while a batch runs, on the runner or inline
-        self.avg_run_s = INLINE_BELOW_S  # moving average of gather+run; starts at "not cheap"
+        self.avg_run_s = INLINE_BELOW_S  # moving average of the engine's run time; warm-up primes it
         self._thread = threading.Thread(target=self._loop, name=f"runner-{model.name}", daemon=True)
 
     def start(self) -> None:
@@ -163,9 +163,11 @@ class ModelRunner:
         for w in works:
             seg = w.session.segment
             base = seg.layout.input_base(w.req.slot)
-            for t, mv, ib in zip(w.req.tensors, self._buf_bytes, self._in_item_bytes, strict=True):
+            for t in w.req.tensors:  # in any order: ``index`` says which input (checked unique at intake)
+                ib = self._in_item_bytes[t.index]
                 # a plain memcpy from the slot into the batch buffer; the descriptor was checked at intake
-                mv[row * ib : (row + w.rows) * ib] = seg.buf[base + t.offset : base + t.offset + t.nbytes]
+                self._buf_bytes[t.index][row * ib : (row + w.rows) * ib] = seg.buf[base + t.offset :
+                                                                                   base + t.offset + t.nbytes]
             row += w.rows
         return {n: b[:row] for n, b in zip(names, self._bufs, strict=True)}, row
 
