@@ -1,12 +1,9 @@
-"""Client processes that load the broker: sequential ``infer`` for latency, ``submit`` chains for throughput.
+"""Client processes that load the broker: sequential ``infer`` for latency, ``call`` chains for throughput.
 
-Throughput: each process keeps ``in_flight`` requests outstanding with ``Client.submit``. A request's
-done-callback (run by the client's IO thread) submits the next one, so a completion and the next
-submission cost no thread hand-off, and the client coalesces them into one SUBMIT per worker.
-
-The Client frees a request's slot only after its done-callbacks have run, so a callback that submits needs
-a free slot besides the one completing: the session gets ``2 * in_flight`` slots (with ``in_flight`` slots,
-the IO thread would wait on itself for a slot; reported to the lead).
+Throughput: each process keeps ``in_flight`` requests outstanding with ``Client.call``, the client's
+callback API (no Future). A request's callback (run by the client's IO thread) submits the next one, so a
+completion and the next submission cost no thread hand-off, and the client coalesces them into one
+SUBMIT per worker. The session has ``2 * in_flight`` slots, as an application would give itself headroom.
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -83,18 +79,15 @@ class _Chains:
 
     def launch(self) -> None:
         try:
-            fut = self.client.submit(self.model, self.feeds)
+            self.client.call(self.model, self.feeds, self.on_done)
         except ShmBrokerError as exc:  # no live worker, client closed: this chain ends here
             with self.lock:
                 self.errors[f"submit:{exc.code}"] += 1
             self._chain_ended()
-            return
-        fut.add_done_callback(self.on_done)
 
-    def on_done(self, fut: Future[Any]) -> None:
+    def on_done(self, _outputs: object, exc: ShmBrokerError | None) -> None:
         try:
             now = time.perf_counter()
-            exc = fut.exception()
             if self.t_count <= now < self.t_end:
                 with self.lock:
                     if exc is None:

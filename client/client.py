@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 Inputs = np.ndarray | Mapping[str, np.ndarray]
 Outputs = np.ndarray | dict[str, np.ndarray]
+Callback = Callable[[Outputs | None, ShmBrokerError | None], object]
 MAX_TIMEOUT_S = 0xFFFF_FFFF / 1e6  # timeout_us is a u32 on the wire
 
 
@@ -137,6 +138,22 @@ class Client:
 
     def submit(self, model: str, inputs: Inputs, timeout: float | None = None) -> Future[Outputs]:
         """Queue one request; the Future holds the output or a ShmBrokerError."""
+        plan, slot, rows = self._fill(model, inputs, timeout)
+        fut: Future[Outputs] = Future()
+        self._send(slot, plan, rows, timeout, lambda r: self._resolve(fut, plan, slot, r), release=True)
+        return fut
+
+    def call(self, model: str, inputs: Inputs, callback: Callback, timeout: float | None = None) -> None:
+        """Queue one request; ``callback(outputs, error)`` runs on the client's IO thread when it is answered.
+
+        Exactly one of the two is None. The lightest way to keep many requests in flight: no Future, and
+        requests submitted from a callback go out together in one message.
+        """
+        plan, slot, rows = self._fill(model, inputs, timeout)
+        self._send(slot, plan, rows, timeout, lambda r: self._deliver(callback, plan, slot, r), release=True)
+
+    def _fill(self, model: str, inputs: Inputs, timeout: float | None) -> tuple[ModelPlan, int, int]:
+        """Check the inputs, take a slot and copy them into it: (plan, slot, rows)."""
         plan = self._plan(model)
         _check_timeout(timeout)
         arrays = self._arrays(plan, inputs)
@@ -149,9 +166,7 @@ class Client:
             start = base + lay.in_offsets[k]
             # one memcpy into the slot; the shape and dtype were checked in _arrays
             buf[start : start + lay.in_nbytes[k]] = np.ascontiguousarray(arr).data.cast("B")
-        fut: Future[Outputs] = Future()
-        self._send(slot, plan, rows, timeout, lambda r: self._resolve(fut, plan, slot, r), release=True)
-        return fut
+        return plan, slot, rows
 
     @contextlib.contextmanager
     def request(self, model: str, rows: int = 1, timeout: float | None = None) -> Iterator[Request]:
@@ -338,37 +353,46 @@ class Client:
             self._link_list = tuple(self._links.values())
 
     # -- completion (IO thread) -------------------------------------------------------------------------------
-    def _resolve(self, fut: Future[Outputs], plan: ModelPlan, slot: int, r: P.Result | ShmBrokerError) -> None:
-        """Copy the outputs out, free the slot, then complete the Future (so its callbacks find a free slot)."""
-        error: ShmBrokerError | None = None
-        value: Outputs | None = None
+    def _outcome(self, plan: ModelPlan, slot: int, r: P.Result | ShmBrokerError) -> tuple[Outputs | None,
+                                                                                       ShmBrokerError | None]:
+        """(outputs copied out of the slot, None) or (None, the error); the slot is free afterwards."""
         try:
             if isinstance(r, ShmBrokerError):
-                error = r
-            elif r.status != P.Status.OK:
-                error = from_status(r.status, r.message)
-            elif r.tensors and r.tensors is plan.known_out_descs(r.tensors[0].shape[0]):
+                return None, r
+            if r.status != P.Status.OK:
+                return None, from_status(r.status, r.message)
+            if r.tensors and r.tensors is plan.known_out_descs(r.tensors[0].shape[0]):
                 # canonical layout (checked byte for byte in _fast_done): copy straight out of the slot
                 base = self._output_bases[slot]
                 outs = [np.frombuffer(self.segment.buf, d, math.prod(t.shape), base + t.offset).reshape(t.shape)
                         .copy() for t, d in zip(r.tensors, plan.out_dtypes, strict=True)]
-                specs = plan.info.outputs
-                value = outs[0] if len(specs) == 1 else {s.name: o for s, o in zip(specs, outs, strict=True)}
             else:
-                outs = [self.segment.output_view(slot, t.offset, plan.out_dtypes[t.index], t.shape).copy()
-                        for t in r.tensors]
-                specs = plan.info.outputs
-                value = outs[0] if len(specs) == 1 else {s.name: o for s, o in zip(specs, outs, strict=True)}
-        except (RingError, IndexError) as exc:  # a worker that describes outputs outside the slot
-            error = RequestError(f"the worker's output descriptors do not fit the slot: {exc}")
+                by_index = {t.index: self.segment.output_view(slot, t.offset, plan.out_dtypes[t.index], t.shape).copy()
+                            for t in r.tensors}
+                outs = [by_index[k] for k in range(len(plan.out_dtypes))]
+            specs = plan.info.outputs
+            return (outs[0] if len(specs) == 1 else {s.name: o for s, o in zip(specs, outs, strict=True)}), None
+        except (RingError, IndexError, KeyError) as exc:  # a worker whose output descriptors do not fit
+            return None, RequestError(f"the worker's output descriptors do not fit the slot: {exc!r}")
         finally:
             self._release(slot)
+
+    def _resolve(self, fut: Future[Outputs], plan: ModelPlan, slot: int, r: P.Result | ShmBrokerError) -> None:
+        """Complete the Future once the slot is free (so the Future's callbacks find a free slot)."""
+        value, error = self._outcome(plan, slot, r)
         if not fut.set_running_or_notify_cancel():
             return  # the caller cancelled (asyncio.wait_for, say)
         if error is not None:
             fut.set_exception(error)
         else:
             fut.set_result(value)  # type: ignore[arg-type]
+
+    def _deliver(self, callback: Callback, plan: ModelPlan, slot: int, r: P.Result | ShmBrokerError) -> None:
+        value, error = self._outcome(plan, slot, r)
+        try:
+            callback(value, error)
+        except Exception:  # a user's callback must not stop the IO thread that serves every request
+            log.exception("a submit callback raised; the client goes on")
 
     def _io_loop(self) -> None:
         """(1) poll, (2) DONEs from workers, (3) notices from the broker, (4) links coming up."""

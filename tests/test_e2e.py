@@ -152,3 +152,29 @@ def test_lone_requests_meet_a_short_deadline_with_a_queue_delay(broker: RunningB
     with Client() as c:
         for _ in range(10):
             np.testing.assert_allclose(arr(c.infer("tiny", x, timeout=0.25)), direct("tiny", x), rtol=0, atol=1e-5)
+
+
+def test_call_delivers_outputs_and_errors_to_the_callback(broker: RunningBroker) -> None:
+    got: list[tuple[object, object]] = []
+    done = threading.Event()
+    xs = [np.full((1, 256), i / 7, np.float32) for i in range(6)]
+
+    def callback(outputs: object, error: object) -> None:
+        got.append((outputs, error))
+        if len(got) == 1:
+            raise RuntimeError("a faulty callback must not stop the client")
+        if len(got) == len(xs) + 1:
+            done.set()
+
+    with Client() as c:
+        for x in xs:
+            c.call("tiny", x, callback)
+        c.call("nsfw", np.zeros((1, 224, 224, 3), np.float32), callback, timeout=1e-6)
+        assert done.wait(60), f"{len(got)} callbacks ran"
+        np.testing.assert_allclose(arr(c.infer("tiny", xs[0])), direct("tiny", xs[0]), rtol=0, atol=1e-5)
+    oks = [arr(o) for o, e in got if e is None]
+    errors = [e for o, e in got if e is not None]
+    assert len(oks) == len(xs) and all(o is None for o, e in got if e is not None)
+    assert len(errors) == 1 and isinstance(errors[0], RequestTimeout)
+    for y in oks:  # each output is one of the inputs' results (callbacks may run in any order)
+        assert min(float(np.abs(y - direct("tiny", x)).max()) for x in xs) < 1e-5
