@@ -68,6 +68,8 @@ class RingLayout:
     out_offset: int = field(init=False)
     slot_stride: int = field(init=False)
     total_bytes: int = field(init=False)
+    slot_bases: list[int] = field(init=False, repr=False, compare=False)
+    output_bases: list[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         out_offset = SLOT_HEADER_BYTES + align(self.in_capacity, REGION_ALIGN)
@@ -75,6 +77,9 @@ class RingLayout:
         object.__setattr__(self, "out_offset", out_offset)
         object.__setattr__(self, "slot_stride", stride)
         object.__setattr__(self, "total_bytes", HEADER_BYTES + self.n_slots * stride)
+        # the hot paths index these instead of computing offsets per request
+        object.__setattr__(self, "slot_bases", [HEADER_BYTES + i * stride for i in range(self.n_slots)])
+        object.__setattr__(self, "output_bases", [b + out_offset for b in self.slot_bases])
 
     def slot_base(self, slot: int) -> int:
         return HEADER_BYTES + slot * self.slot_stride
@@ -207,8 +212,8 @@ class Segment:
         STATE_WORD.pack_into(self.buf, base, state)
 
     def set_state(self, slot: int, state: int, status: int) -> None:
-        base = self.layout.slot_base(slot)
-        struct.pack_into("<I", self.buf, base + 16, status)
+        base = self.layout.slot_bases[slot]
+        STATE_WORD.pack_into(self.buf, base + 16, status)
         STATE_WORD.pack_into(self.buf, base, state)
 
     # -- tensor views ---------------------------------------------------------------------------------------

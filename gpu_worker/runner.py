@@ -179,7 +179,7 @@ class ModelRunner:
         row = 0
         for w in works:
             seg, req, rows = w.session.segment, w.req, w.rows
-            base = seg.layout.output_base(req.slot)
+            base = seg.layout.output_bases[req.slot]
             for src, ib, off in zip(sources, item_bytes, self.codec.outputs[rows][0], strict=True):
                 # canonical offsets, which fit out_capacity for every row count the session allows
                 seg.buf[base + off : base + off + rows * ib] = src[row * ib : (row + rows) * ib]

@@ -20,7 +20,7 @@ import zmq
 from broker import protocol as P
 from broker import runtime
 from broker.config import Config
-from broker.ring import HEADER_BYTES, RingError, SlotState
+from broker.ring import RingError, SlotState
 from gpu_worker import model_source
 from gpu_worker.batcher import Batcher, Queued
 from gpu_worker.engines import Engine, IOSpec, load_engine
@@ -214,8 +214,8 @@ class Worker:
         session = self.sessions.get(sid)
         if len(body) != t_base + P.TENSOR.size * n_t or session is None or session.token != token:
             return False
-        buf, stride, n_slots, max_items = session.segment.buf, session.layout.slot_stride, session.layout.n_slots, \
-            session.max_items
+        buf, bases, max_items = session.segment.buf, session.layout.slot_bases, session.max_items
+        n_slots = len(bases)
         accepted = []
         records = body[P.SUBMIT_HEADER.size : t_base]
         for rid, slot, gen, model_id, first, count, timeout_us in P.REQUEST.iter_unpack(records):
@@ -227,7 +227,7 @@ class Worker:
             canon = m.runner.codec.inputs.get(rows)
             if canon is None or rows > max_items or body[start : start + P.TENSOR.size * count] != canon[0]:
                 return False
-            state, generation = STATE_GEN.unpack_from(buf, HEADER_BYTES + slot * stride)
+            state, generation = STATE_GEN.unpack_from(buf, bases[slot])
             if state != SlotState.SUBMITTED or generation != gen:
                 return False
             accepted.append((m, P.SubmitRequest(rid, slot, gen, model_id, timeout_us, canon[1]), rows))
