@@ -162,6 +162,10 @@ def table(doc: Figures) -> str:
                          + notes)
         elif f.get("server_mean_batch") is not None:
             notes = f"mean batch {f['server_mean_batch']}"
+        elif "before_per_s" in f:
+            notes = f"mean of before {f['before_per_s']:,.0f} and after {f['after_per_s']:,.0f}"
+        elif "before_p50_us" in lat:
+            notes = f"mean of before and after: p50 {lat['before_p50_us']:.0f} / {lat['after_p50_us']:.0f}"
         if isinstance(f.get("machine_cpu_busy_pct"), int | float):
             notes = f"cpu {f['machine_cpu_busy_pct']:.0f}%" + (f", {notes}" if notes else "")
         lines.append(f"{label:<42} {_num(lat.get('p50_us')):>9} {_num(lat.get('p99_us')):>9} "

@@ -140,6 +140,20 @@ class Bench:
         after["before_by_batch"] = before["by_batch"]
         after["items_per_s"] = round((before["items_per_s"] + after["items_per_s"]) / 2, 2)
 
+    def _average_baseline(self, key: str, again: str) -> None:
+        """A baseline measured before and after the broker's phase: ``key``'s figure becomes their mean."""
+        first, second = self.measurements.get(key), self.measurements.pop(again, None)
+        if not (isinstance(first, dict) and isinstance(second, dict)) or "error" in first or "error" in second:
+            return
+        if "per_s" in first:
+            first["before_per_s"], first["after_per_s"] = first["per_s"], second["per_s"]
+            first["per_s"] = round((first["per_s"] + second["per_s"]) / 2, 1)
+        else:
+            for name in ("p50_us", "p99_us"):
+                first["latency"][f"before_{name}"] = first["latency"][name]
+                first["latency"][f"after_{name}"] = second["latency"][name]
+                first["latency"][name] = round((first["latency"][name] + second["latency"][name]) / 2, 2)
+
     def latency(self, target: Target, spec: Figures) -> Figures:
         (r,) = run_group(self.progress, target, [spec], expect_s=None)
         return {"concurrency": 1, "requests": self.s.latency_requests, "warmup_requests": self.s.latency_warmup,
@@ -208,6 +222,10 @@ class Bench:
                            load.latency_client, {"runtime_dir": rt, "model": TINY, "seed": 1, **lat})), lat_summary)
         else:
             self.skip("tiny_latency", f"the config has no model {TINY!r}")
+        # each baseline runs before and after the broker's phase; the mean cancels a drift of the machine
+        self.phase("echo_latency_again", "raw zmq echo latency again",
+                   lambda: self.latency(echo.latency_client, {"endpoint": endpoint, **lat}), lat_summary)
+        self._average_baseline("echo_latency", "echo_latency_again")
         self.phase("echo_throughput", f"raw zmq echo throughput, {s.processes} procs x {s.tiny_in_flight} in flight, "
                    f"{s.duration_s:g} s", lambda: self.throughput(
                        echo.throughput_client, {"endpoint": endpoint, "warmup_requests": 50}, s.tiny_in_flight),
@@ -220,6 +238,10 @@ class Bench:
                        tput_summary("requests"))
         else:
             self.skip("tiny_throughput", f"the config has no model {TINY!r}")
+        self.phase("echo_throughput_again", "raw zmq echo throughput again", lambda: self.throughput(
+            echo.throughput_client, {"endpoint": endpoint, "warmup_requests": 50}, s.tiny_in_flight),
+            tput_summary("messages"))
+        self._average_baseline("echo_throughput", "echo_throughput_again")
         if NSFW in self.cfg.models:
             # the limit is measured before (broker idle) and after (broker stopped) the broker's phase, and the
             # two are averaged: a drift of the machine's speed during the run then cancels out of the ratio
