@@ -42,6 +42,9 @@ def test_layout_offsets(in_cap: int, out_cap: int, out_offset: int, stride: int)
     assert lay.slot_base(2) == R.HEADER_BYTES + 2 * stride
     assert lay.input_base(1) == R.HEADER_BYTES + stride + 256
     assert lay.output_base(1) == R.HEADER_BYTES + stride + out_offset
+    # the precomputed tables the hot paths index agree with the formulas
+    assert lay.slot_bases == [lay.slot_base(i) for i in range(3)]
+    assert lay.output_bases == [lay.output_base(i) for i in range(3)]
 
 
 @settings(database=None, max_examples=300)
