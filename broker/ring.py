@@ -69,6 +69,7 @@ class RingLayout:
     slot_stride: int = field(init=False)
     total_bytes: int = field(init=False)
     slot_bases: list[int] = field(init=False, repr=False, compare=False)
+    input_bases: list[int] = field(init=False, repr=False, compare=False)
     output_bases: list[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -79,16 +80,17 @@ class RingLayout:
         object.__setattr__(self, "total_bytes", HEADER_BYTES + self.n_slots * stride)
         # the hot paths index these instead of computing offsets per request
         object.__setattr__(self, "slot_bases", [HEADER_BYTES + i * stride for i in range(self.n_slots)])
+        object.__setattr__(self, "input_bases", [b + SLOT_HEADER_BYTES for b in self.slot_bases])
         object.__setattr__(self, "output_bases", [b + out_offset for b in self.slot_bases])
 
     def slot_base(self, slot: int) -> int:
-        return HEADER_BYTES + slot * self.slot_stride
+        return self.slot_bases[slot]
 
     def input_base(self, slot: int) -> int:
-        return self.slot_base(slot) + self.in_offset
+        return self.input_bases[slot]
 
     def output_base(self, slot: int) -> int:
-        return self.slot_base(slot) + self.out_offset
+        return self.output_bases[slot]
 
 
 def check_span(field: str, offset: int, nbytes: int, capacity: int) -> None:

@@ -99,8 +99,6 @@ class Client:
         self._pending: dict[int, _Pending] = {}
         self._free: list[int] = list(range(hs.setup.n_slots - 1, -1, -1))
         self._gens = [0] * hs.setup.n_slots
-        self._input_bases = [self.segment.layout.input_base(s) for s in range(hs.setup.n_slots)]
-        self._output_bases = [self.segment.layout.output_base(s) for s in range(hs.setup.n_slots)]
         self._slot_cond = threading.Condition()
         self._slot_waiters = 0
         self._ids = itertools.count(1)
@@ -160,7 +158,7 @@ class Client:
         rows = arrays[0].shape[0]
         lay = plan.layout(rows)
         slot = self._acquire(timeout)
-        base = self._input_bases[slot]
+        base = self.segment.layout.input_bases[slot]
         buf = self.segment.buf
         for k, arr in enumerate(arrays):
             start = base + lay.in_offsets[k]
@@ -363,7 +361,7 @@ class Client:
                 return None, from_status(r.status, r.message)
             if r.tensors and r.tensors is plan.known_out_descs(r.tensors[0].shape[0]):
                 # canonical layout (checked byte for byte in _fast_done): copy straight out of the slot
-                base = self._output_bases[slot]
+                base = self.segment.layout.output_bases[slot]
                 outs = [np.frombuffer(self.segment.buf, d, math.prod(t.shape), base + t.offset).reshape(t.shape)
                         .copy() for t, d in zip(r.tensors, plan.out_dtypes, strict=True)]
             else:

@@ -85,11 +85,7 @@ class WorkerSession:
             return True
 
     def claim_slot(self, slot: int) -> bool:
-        with self._lock:
-            if slot in self.in_flight:
-                return False
-            self.in_flight.add(slot)
-            return True
+        return self.claim_slots([slot])
 
     @property
     def idle(self) -> bool:

@@ -25,7 +25,7 @@ from gpu_worker import model_source
 from gpu_worker.batcher import Batcher, Queued
 from gpu_worker.engines import Engine, IOSpec, load_engine
 from gpu_worker.intake import ModelView, Rejected, check_slot, check_tensors
-from gpu_worker.runner import ModelCounters, ModelRunner, Work
+from gpu_worker.runner import ModelCounters, ModelRunner, Work, reply
 from gpu_worker.sessions import WorkerSession
 from gpu_worker.warmup import warm_up
 
@@ -153,7 +153,8 @@ class Worker:
             if self._ctl in events and not self._drain_control():
                 return
             self._sweep()
-            if self.cfg.broker.worker_mode == "process" and os.getppid() != parent:
+            # a backup for the parent-death signal, checked when idle so no syscall is added per message
+            if not events and self.cfg.broker.worker_mode == "process" and os.getppid() != parent:
                 log.error("the broker (pid %d) is gone; worker %d exits", parent, self.worker_id)
                 return
 
@@ -238,25 +239,14 @@ class Worker:
         for m, req, rows in accepted:
             timeout = req.timeout_us / 1e6 if req.timeout_us else m.view.timeout_ms / 1e3
             by_model.setdefault(req.model_id, []).append(Queued(Work(session, req, rows), rows, now + timeout, now))
-        full: list[P.SubmitRequest] = []
         for model_id, entries in by_model.items():
-            runner = self.models[model_id].runner
-            fitted = runner.batcher.put_many(entries, wake=not runner.cheap)
+            m = self.models[model_id]
+            fitted = m.runner.batcher.put_many(entries, wake=not m.runner.cheap)
             if fitted < len(entries):
-                full.extend(e.item.req for e in entries[fitted:])
-                runner.counters.count(P.Status.OVERLOADED, len(entries) - fitted)
-        if full:
-            self._answer_overloaded(session, full)
+                m.runner.counters.count(P.Status.OVERLOADED, len(entries) - fitted)
+                reply([e.item for e in entries[fitted:]], P.Status.OVERLOADED,
+                      overloaded_message(m.view.name, m.runner.batcher.max_queue_size))
         return True
-
-    def _answer_overloaded(self, session: WorkerSession, reqs: list[P.SubmitRequest]) -> None:
-        results = []
-        for req in reqs:
-            session.segment.set_state(req.slot, SlotState.FAILED, P.Status.OVERLOADED)
-            model = self.models[req.model_id]
-            results.append(P.Result(req.request_id, req.slot, req.generation, P.Status.OVERLOADED, [],
-                                    overloaded_message(model.view.name, model.runner.batcher.max_queue_size)))
-        session.finish([r.slot for r in reqs], P.encode_done(P.DoneBatch(session.session_id, results)))
 
     def _admit(self, session: WorkerSession, req: P.SubmitRequest, now: float) -> None:
         """Queue one request, or raise Rejected (``claimed`` set when the slot was taken)."""
