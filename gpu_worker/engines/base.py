@@ -37,3 +37,34 @@ class Engine(Protocol):
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]: ...
 
     def close(self) -> None: ...
+
+
+class DeviceContext(Protocol):
+    """One stream slot's share of a GPU engine: fixed device buffers for ``max_batch`` rows, one CUDA stream.
+
+    Contract: the pipeline copies rows into ``input_ptrs[k] + row * item_bytes`` on the same stream, calls
+    ``enqueue(rows)``, then copies ``output_ptrs[k]`` out, all asynchronously; ``enqueue`` never synchronizes
+    the host with the device and never allocates device memory.
+    """
+
+    input_ptrs: list[int]  # device address of input k's [max_batch, *item_shape] buffer, in ``inputs`` order
+    output_ptrs: list[int]  # likewise for the outputs; valid rows after enqueue(rows) are [0, rows)
+
+    def enqueue(self, rows: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class DeviceEngine(Engine, Protocol):
+    """A GPU engine: ``run`` (host arrays, synchronous) for warm-up and tests, contexts for the pipeline."""
+
+    device: int  # the CUDA device ordinal the engine lives on
+
+    def create_context(self, index: int, stream: int, max_batch: int) -> DeviceContext:
+        """The context of stream slot ``index``, bound to the CUDA stream handle ``stream``."""
+        ...
+
+
+def is_device_engine(engine: Engine) -> bool:
+    """True for engines the GPU pipeline drives (they have ``create_context``)."""
+    return callable(getattr(engine, "create_context", None))
