@@ -54,6 +54,10 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     timeout_ms: Ms = 500
     intra_op_threads: Annotated[int, Meta(ge=0, le=256)] = 0
     warmup: bool = True
+    # GPU engines (torch, tensorrt) only; a CPU worker ignores them
+    streams: Annotated[int, Meta(ge=1, le=16)] = 4  # stream slots: batches in flight on the device at once
+    fp16: bool = False
+    cuda_graphs: bool = True
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -254,12 +254,25 @@ class StatsRequest(msgspec.Struct, frozen=True):
     pass
 
 
+class StageHistogram(msgspec.Struct):
+    """Durations of one pipeline stage in fixed buckets: ``counts[i]`` fell in (bounds_us[i-1], bounds_us[i]];
+    the last count is above the last bound."""
+
+    bounds_us: list[float]
+    counts: list[int]
+    count: int
+    sum_us: float
+    max_us: float
+
+
 class ModelStats(msgspec.Struct):
     name: str
     requests: dict[str, int]  # by Status name
     batches: int
     batch_items: dict[str, int]  # batch size (items) -> count of batches
     queue_depth: int
+    # GPU pipeline only: "queue" (per request), "h2d", "compute", "d2h" (per batch, CUDA events); empty on CPU
+    stages: dict[str, StageHistogram] = msgspec.field(default_factory=dict)
 
 
 class WorkerStats(msgspec.Struct):

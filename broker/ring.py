@@ -11,6 +11,7 @@ a reader reads the state word first. Only the creator (the broker) unlinks a seg
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import mmap
@@ -144,6 +145,8 @@ class Segment:
         self.creator = creator
         self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = memoryview(self._mm)
+        self.nbytes = size
+        self.address = _base_address(self._mm)  # for cudaHostRegister and DMA; valid until close()
         self._finalizer = weakref.finalize(self, _close_mapping, self._mm, fd)
 
     @classmethod
@@ -249,6 +252,16 @@ class Segment:
             os.unlink(_path(self.name))
         except FileNotFoundError:
             log.warning("segment of session %d was already gone", self.layout.session_id)
+
+
+def _base_address(mm: mmap.mmap) -> int:
+    """The mapping's virtual address. The ctypes view exports the buffer; it is dropped at once so that
+    ``mmap.close`` (which refuses while exports exist) still unmaps."""
+    view = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
 
 
 def _allocate(fd: int, size: int) -> None:

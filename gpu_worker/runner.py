@@ -1,4 +1,9 @@
-"""One model's runner thread: take a batch, gather it from the slots, run the engine, write results back."""
+"""One model's runner thread: take a batch, gather it from the slots, run the engine, write results back.
+
+``BatchRunner`` is what every runner shares (the batcher, counters, the thread, answering and completing
+requests); ``ModelRunner`` runs a host engine (ONNX Runtime on the CPU); ``gpu_worker.pipeline`` drives a
+device engine with the same base.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -14,7 +20,8 @@ from broker import protocol as P
 from broker.ring import SlotState
 from gpu_worker.batcher import Batcher, Queued, Take
 from gpu_worker.codec import ModelCodec
-from gpu_worker.engines.base import Engine
+from gpu_worker.engines.base import DeviceEngine, Engine, is_device_engine
+from gpu_worker.histogram import Histogram
 from gpu_worker.intake import ModelView, input_arrays
 from gpu_worker.sessions import WorkerSession
 
@@ -33,12 +40,17 @@ class Work:
 
 
 class ModelCounters:
-    """Per-model counters: requests by status, batches by row count. Written by the intake and runner threads."""
+    """Per-model counters: requests by status, batches by row count. Written by the intake and runner threads.
+
+    ``stages`` holds the GPU pipeline's timing histograms (empty for a CPU model); it is filled before the
+    runner starts and only read afterwards.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests: Counter[str] = Counter()
         self.batch_rows: Counter[int] = Counter()
+        self.stages: dict[str, Histogram] = {}
 
     def count(self, status: P.Status, n: int = 1) -> None:
         with self._lock:
@@ -49,10 +61,12 @@ class ModelCounters:
             self.batch_rows[rows] += 1
 
     def snapshot(self, name: str, queue_depth: int) -> P.ModelStats:
+        stages = {k: h.snapshot() for k, h in self.stages.items()}
         with self._lock:
             return P.ModelStats(
                 name=name, requests=dict(self.requests), batches=sum(self.batch_rows.values()),
                 batch_items={str(k): v for k, v in sorted(self.batch_rows.items())}, queue_depth=queue_depth,
+                stages=stages,
             )
 
 
@@ -70,19 +84,32 @@ def _send(by_session: dict[WorkerSession, list[P.Result]]) -> None:
         session.finish([r.slot for r in results], P.encode_done(P.DoneBatch(session.session_id, results)))
 
 
-class ModelRunner:
-    """Steps of the loop: (1) take a batch, (2) answer the expired, (3) gather, (4) run, (5) complete."""
+def complete_ok(codec: ModelCodec, counters: ModelCounters, works: list[Work]) -> None:
+    """Answer a batch whose outputs are already in each request's slot (canonical offsets): state DONE, one
+    DONE message per session, slots freed with it."""
+    done: dict[WorkerSession, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for w in works:
+        req = w.req
+        w.session.segment.set_state(req.slot, SlotState.DONE, P.Status.OK)
+        done[w.session].append((req.request_id, req.slot, req.generation, w.rows))
+    counters.count(P.Status.OK, len(works))
+    for session, items in done.items():
+        session.finish([slot for _r, slot, _g, _n in items], codec.done_ok(session.session_id, items))
+
+
+class BatchRunner:
+    """One model's batches: a thread runs ``_loop`` until ``stop``. Subclasses say how a batch runs.
+
+    Contract: every Work taken from the batcher is answered exactly once (``complete_ok``, ``reply``).
+    """
 
     def __init__(self, model: ModelView, engine: Engine, batcher: Batcher[Work], counters: ModelCounters) -> None:
         self.model = model
-        self.codec = ModelCodec(model)
         self.engine = engine
+        self.codec = ModelCodec(model)
         self.batcher = batcher
         self.counters = counters
         self._stop = threading.Event()
-        self._bufs = [np.empty((model.max_batch, *s.item_shape), dtype=s.dtype) for s in model.inputs]
-        self._buf_bytes = [b.data.cast("B") for b in self._bufs]
-        self._in_item_bytes = [s.item_bytes for s in model.inputs]
         self._busy = threading.Lock()  # held while a batch runs, on the runner or inline
         self.avg_run_s = INLINE_BELOW_S  # moving average of the engine's run time; warm-up primes it
         self._thread = threading.Thread(target=self._loop, name=f"runner-{model.name}", daemon=True)
@@ -91,6 +118,7 @@ class ModelRunner:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop taking batches, let the running one finish, answer what was still queued."""
         self._stop.set()
         left = self.batcher.close()
         self._thread.join(timeout=30)
@@ -101,12 +129,29 @@ class ModelRunner:
             self.counters.count(status, len(entries))
             reply([e.item for e in entries], status, message)
 
+    def answer_timed_out(self, take: Take[Work]) -> None:
+        self.answer_expired(take.expired, P.Status.TIMEOUT,
+                            f"deadline passed before model {self.model.name!r} could run it")
+
+    def fail(self, works: list[Work], exc: BaseException) -> None:
+        """An engine failure fails its batch, not the worker."""
+        log.error("model %s failed a batch of %d requests: %s: %s", self.model.name, len(works),
+                  type(exc).__name__, exc, exc_info=exc)
+        self.counters.count(P.Status.INTERNAL, len(works))
+        reply(works, P.Status.INTERNAL, f"model {self.model.name!r} failed: {type(exc).__name__}")
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             take = self.batcher.take(timeout=0.5)  # (1)
             if take is not None:
                 with self._busy:
                     self._run(take)
+
+    def _run(self, take: Take[Work]) -> None:
+        raise NotImplementedError
+
+    def warm_up(self) -> None:
+        """Prepare the runner's own resources after the engine's warm-up (the GPU pipeline's streams)."""
 
     def try_inline(self) -> bool:
         """Run a due batch on the caller's (intake) thread when the model is cheap and the runner idle.
@@ -135,9 +180,18 @@ class ModelRunner:
     def cheap(self) -> bool:
         return self.avg_run_s < INLINE_BELOW_S
 
+
+class ModelRunner(BatchRunner):
+    """A host engine: (1) take a batch, (2) answer the expired, (3) gather, (4) run, (5) complete."""
+
+    def __init__(self, model: ModelView, engine: Engine, batcher: Batcher[Work], counters: ModelCounters) -> None:
+        super().__init__(model, engine, batcher, counters)
+        self._bufs = [np.empty((model.max_batch, *s.item_shape), dtype=s.dtype) for s in model.inputs]
+        self._buf_bytes = [b.data.cast("B") for b in self._bufs]
+        self._in_item_bytes = [s.item_bytes for s in model.inputs]
+
     def _run(self, take: Take[Work]) -> None:
-        self.answer_expired(take.expired, P.Status.TIMEOUT, f"deadline passed before model "
-                            f"{self.model.name!r} could run it")  # (2)
+        self.answer_timed_out(take)  # (2)
         if not take.batch:
             return
         works = [e.item for e in take.batch]
@@ -146,10 +200,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             outputs = self.engine.run(feeds)  # (4)
             self.note_run_time(time.perf_counter() - t0)
-        except Exception as exc:  # an engine failure fails this batch, not the worker
-            log.exception("model %s failed a batch of %d requests", self.model.name, len(works))
-            self.counters.count(P.Status.INTERNAL, len(works))
-            reply(works, P.Status.INTERNAL, f"model {self.model.name!r} failed: {type(exc).__name__}")
+        except Exception as exc:  # noqa: BLE001 - an engine failure fails this batch (logged), not the worker
+            self.fail(works, exc)
             return
         self.counters.batch(rows)
         self._complete(works, outputs)  # (5)
@@ -172,7 +224,6 @@ class ModelRunner:
         return {n: b[:row] for n, b in zip(names, self._bufs, strict=True)}, row
 
     def _complete(self, works: list[Work], outputs: list[np.ndarray]) -> None:
-        done: dict[WorkerSession, list[tuple[int, int, int, int]]] = defaultdict(list)
         sources = [np.ascontiguousarray(a, dtype=s.dtype).data.cast("B") for a, s in zip(outputs, self.model.outputs,
                                                                                           strict=True)]
         item_bytes = [s.item_bytes for s in self.model.outputs]
@@ -184,8 +235,13 @@ class ModelRunner:
                 # canonical offsets, which fit out_capacity for every row count the session allows
                 seg.buf[base + off : base + off + rows * ib] = src[row * ib : (row + rows) * ib]
             row += rows
-            seg.set_state(req.slot, SlotState.DONE, P.Status.OK)
-            done[w.session].append((req.request_id, req.slot, req.generation, rows))
-        self.counters.count(P.Status.OK, len(works))
-        for session, items in done.items():
-            session.finish([slot for _r, slot, _g, _n in items], self.codec.done_ok(session.session_id, items))
+        complete_ok(self.codec, self.counters, works)
+
+
+def make_runner(model: ModelView, engine: Engine, batcher: Batcher[Work], streams: int) -> BatchRunner:
+    """The GPU pipeline (``streams`` stream slots) for a device engine, else the host runner."""
+    if is_device_engine(engine):
+        from gpu_worker.pipeline import PipelineRunner
+
+        return PipelineRunner(model, cast("DeviceEngine", engine), batcher, ModelCounters(), streams)
+    return ModelRunner(model, engine, batcher, ModelCounters())

@@ -35,6 +35,10 @@ class WorkerSession:
         self.in_flight: set[int] = set()
         self.detaching = False
         self._lock = threading.Lock()
+        # page-locked for DMA (cudaHostRegister) by a GPU worker at first use; never on a CPU worker
+        self._registered = False
+        self._register_failed = False
+        self._register_lock = threading.Lock()
         # DONEs that could not leave yet (the client's reply connection is not up): the IO thread
         # retries them. Bounded by the ring: each holds at least one of the session's slots' answers.
         self._outbox: collections.deque[list[bytes]] = collections.deque()
@@ -92,8 +96,43 @@ class WorkerSession:
         with self._lock:
             return not self.in_flight
 
+    def ensure_registered(self) -> bool:
+        """Page-lock the whole segment with cudaHostRegister, once; the GPU pipeline calls this before a copy.
+
+        Returns whether the segment is registered. A refusal (logged once) leaves it pageable: copies stay
+        correct, only slower, since the driver then stages them through its own pinned buffers.
+        """
+        if self._registered or self._register_failed:
+            return self._registered
+        from gpu_worker import cuda
+
+        with self._register_lock:
+            if not (self._registered or self._register_failed):
+                try:
+                    cuda.host_register(self.segment.address, self.segment.nbytes)
+                    self._registered = True
+                except cuda.CudaError as exc:
+                    self._register_failed = True
+                    log.error("session %d: cudaHostRegister of its %d-byte ring failed (%s); its copies go "
+                              "from pageable memory", self.session_id, self.segment.nbytes, exc.name)
+        return self._registered
+
     def close(self) -> None:
+        """Close the reply socket, unregister the ring (GPU), unmap it. Called once the session is idle."""
         with self._lock:
             self._sock.close(linger=CLOSE_LINGER_MS)
             runtime.remove_socket_file(self.reply_endpoint)
+        self._unregister()
         self.segment.close()
+
+    def _unregister(self) -> None:
+        with self._register_lock:
+            if not self._registered:
+                return
+            from gpu_worker import cuda
+
+            self._registered = False
+            try:
+                cuda.host_unregister(self.segment.address)
+            except cuda.CudaError as exc:  # logged; the segment is unmapped regardless
+                log.error("session %d: cudaHostUnregister failed: %s", self.session_id, exc.name)

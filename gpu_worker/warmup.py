@@ -8,6 +8,17 @@ import numpy as np
 
 from gpu_worker.engines.base import Engine, EngineError
 from gpu_worker.intake import ModelView
+from gpu_worker.runner import BatchRunner
+
+
+def prime(runner: BatchRunner) -> None:
+    """Warm a model up before READY: the engine (outputs checked, one-row time measured), then the runner's
+    own resources (a GPU pipeline runs each stream slot's context at 1 and ``max_batch`` rows).
+
+    The one-row time primes the inline choice of a host engine; a GPU runner is never inline, however cheap.
+    """
+    runner.avg_run_s = warm_up(runner.engine, runner.model)
+    runner.warm_up()
 
 
 def warm_up(engine: Engine, model: ModelView, repeats: int = 5) -> float:

@@ -21,13 +21,13 @@ from broker import protocol as P
 from broker import runtime
 from broker.config import Config
 from broker.ring import RingError, SlotState
-from gpu_worker import model_source
+from gpu_worker import cuda, model_source
 from gpu_worker.batcher import Batcher, Queued
 from gpu_worker.engines import Engine, IOSpec, load_engine
 from gpu_worker.intake import ModelView, Rejected, check_slot, check_tensors
-from gpu_worker.runner import ModelCounters, ModelRunner, Work, reply
+from gpu_worker.runner import BatchRunner, Work, make_runner, reply
 from gpu_worker.sessions import WorkerSession
-from gpu_worker.warmup import warm_up
+from gpu_worker.warmup import prime
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +60,20 @@ class RateLimitedLog:
 
 
 class ServedModel:
-    def __init__(self, view: ModelView, engine: Engine, runner: ModelRunner) -> None:
+    def __init__(self, view: ModelView, engine: Engine, runner: BatchRunner) -> None:
         self.view = view
         self.engine = engine
         self.runner = runner
 
 
 def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
-    """Load, check and warm up every configured model; EngineError names the model that failed."""
+    """Load, check and warm up every configured model; EngineError names the model that failed.
+
+    On a GPU worker (``device`` an ordinal) the calling thread selects that device first: it is the IO
+    thread, which later unregisters rings; the pipeline's own threads select it themselves.
+    """
+    if device != "cpu":
+        cuda.set_device(int(device))
     served: dict[int, ServedModel] = {}
     for model_id, (name, mc) in enumerate(cfg.models.items()):
         t0 = time.monotonic()
@@ -77,9 +83,9 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
         view = ModelView(model_id, name, mc.max_batch, engine.inputs, engine.outputs, mc.timeout_ms)
         batcher: Batcher[Work] = Batcher(mc.max_batch, mc.max_queue_delay_us, mc.preferred_batch_sizes,
                                          mc.max_queue_size)
-        runner = ModelRunner(view, engine, batcher, ModelCounters())
+        runner = make_runner(view, engine, batcher, mc.streams)
         if mc.warmup:
-            runner.avg_run_s = warm_up(engine, view)
+            prime(runner)
         served[model_id] = ServedModel(view, engine, runner)
         log.info("model %s ready on %s in %.2f s", name, device, time.monotonic() - t0)
     return served

@@ -82,6 +82,13 @@ def test_gpu_indices_and_cpu_mix() -> None:
     assert cfg.worker.devices == [0, 1, "cpu"]
 
 
+def test_gpu_model_keys_default_and_load() -> None:
+    m = C.parse(copy.deepcopy(MINIMAL)).models["m"]
+    assert (m.streams, m.fp16, m.cuda_graphs) == (4, False, True)
+    g = C.parse(_model(engine="torch", streams=16, fp16=True, cuda_graphs=False)).models["m"]
+    assert (g.engine, g.streams, g.fp16, g.cuda_graphs) == ("torch", 16, True, False)
+
+
 def test_relative_model_path_resolves_against_the_file(tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     cfg_file = tmp_path / "sub" / "broker.toml"
@@ -159,6 +166,10 @@ def test_wrong_type_in_a_section() -> None:
         ({"timeout_ms": 0}, "models.m.timeout_ms", "Expected `int` >= 1"),
         ({"preferred_batch_sizes": [2, 0]}, "models.m.preferred_batch_sizes[1]", "Expected `int` >= 1"),
         ({"engine": "tvm"}, "models.m.engine", "Invalid enum value 'tvm'"),
+        ({"streams": 0}, "models.m.streams", "Expected `int` >= 1"),
+        ({"streams": 17}, "models.m.streams", "Expected `int` <= 16"),
+        ({"fp16": "yes"}, "models.m.fp16", "Expected `bool`, got `str`"),
+        ({"cuda_graphs": 1}, "models.m.cuda_graphs", "Expected `bool`, got `int`"),
     ],
 )
 def test_out_of_range_model_fields(fields: dict[str, Any], key: str, expect: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import stat
@@ -458,3 +459,17 @@ def test_unlink_instance_segments_removes_only_that_instance(segments: SegmentFa
     assert R.unlink_instance_segments(theirs) == 1
     assert not os.path.exists(os.path.join(R.SHM_DIR, keep[0].name))
     assert os.path.exists(os.path.join(R.SHM_DIR, keep[1].name))
+
+
+def test_address_is_the_mapping_and_does_not_pin_it(segments: SegmentFactory, opened: list[Segment]) -> None:
+    seg = segments(LAYOUT)
+    other = Segment.open(seg.name, LAYOUT)
+    opened.append(other)
+    assert seg.nbytes == LAYOUT.total_bytes and seg.address % 4096 == 0
+    # bytes read at address + offset are the ones another mapping wrote at that offset
+    other.input_view(2, 8, np.dtype("<u1"), (4,))[:] = [9, 8, 7, 6]
+    at = seg.address + LAYOUT.input_base(2) + 8
+    assert ctypes.string_at(at, 4) == bytes([9, 8, 7, 6])
+    seg.close()  # the address accessor left no export behind: the mapping goes now
+    with open("/proc/self/maps") as maps:
+        assert f"{seg.address:x}-" not in maps.read()

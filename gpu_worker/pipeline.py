@@ -1,0 +1,197 @@
+"""The GPU runner: one model's batches go through a pool of stream slots, several in flight at once.
+
+Runner thread, per batch: (1) take a free stream slot, then a batch (while every slot is busy, requests
+keep queueing, so batches grow with the load); (2) answer the expired; (3) gather: async H2D of each
+request from its registered ring slot straight into its rows of the slot's device input buffer; (4) enqueue
+the engine on the slot's stream; (5) async D2H of each request's rows straight into its own ring slot;
+(6) record the end event and hand the slot to the completion thread. Completion thread: (7) wait for each
+batch's end event in launch order, mark its slots DONE and send DONE (``runner.complete_ok``, the same
+code the CPU runner uses), feed the stage histograms, return the stream slot.
+
+Nothing on this path allocates device or page-locked memory: the contexts' buffers are made at start and
+the rings are registered once per session (``WorkerSession.ensure_registered``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from broker import protocol as P
+from gpu_worker import cuda
+from gpu_worker.batcher import Batcher, Take
+from gpu_worker.engines.base import DeviceEngine
+from gpu_worker.histogram import Histogram
+from gpu_worker.intake import ModelView
+from gpu_worker.runner import BatchRunner, ModelCounters, Work, complete_ok
+from gpu_worker.streams import CopyPlan, StreamSlot
+
+log = logging.getLogger(__name__)
+
+STAGES = ("queue", "h2d", "compute", "d2h")
+POLL_S = 0.5  # how often a waiting runner looks at its stop flag
+BATCHED_COPIES = False  # one cudaMemcpyAsync per tensor; bench/gpu_copies.py measures the batched call
+
+
+class PipelineRunner(BatchRunner):
+    """A device engine's runner. Invariant: a stream slot is free, launched (in ``_launched``) or being
+    completed; its requests are answered exactly once, by the completion thread or by ``_abandon``."""
+
+    def __init__(self, model: ModelView, engine: DeviceEngine, batcher: Batcher[Work], counters: ModelCounters,
+                 streams: int, batched_copies: bool = BATCHED_COPIES) -> None:
+        super().__init__(model, engine, batcher, counters)
+        self.device_engine = engine
+        self.device = engine.device
+        self.copies = CopyPlan(self.codec, batched_copies)
+        self.stages = {name: Histogram() for name in STAGES}
+        counters.stages = self.stages
+        self._free: queue.SimpleQueue[StreamSlot] = queue.SimpleQueue()
+        self._launched: queue.SimpleQueue[StreamSlot | None] = queue.SimpleQueue()
+        self._completer = threading.Thread(target=self._complete_loop, name=f"complete-{model.name}", daemon=True)
+        self.slots: list[StreamSlot] = []
+        try:
+            for i in range(streams):
+                self.slots.append(StreamSlot(i, engine, model.max_batch))
+        except BaseException:
+            self._close_slots()
+            raise
+        for slot in self.slots:
+            self._free.put(slot)
+        self.max_batch_ms: float | None = None  # compute time of one max batch, measured by warm_up
+
+    @property
+    def cheap(self) -> bool:
+        """Never: a GPU batch is not run on the IO thread, whatever its time (launches would stall intake)."""
+        return False
+
+    def start(self) -> None:
+        self._completer.start()
+        super().start()
+
+    def stop(self) -> None:
+        """Stop launching, let every launched batch complete and be answered, answer the queue, free the slots."""
+        self._stop.set()
+        left = self.batcher.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self._launched.put(None)
+        if self._completer.is_alive():
+            self._completer.join(timeout=30)
+        self.answer_expired(left, P.Status.SHUTTING_DOWN, "the worker is shutting down")
+        self._close_slots()
+
+    def _close_slots(self) -> None:
+        for slot in self.slots:
+            try:
+                slot.close()
+            except cuda.CudaError as exc:
+                log.error("model %s: closing stream slot %d failed: %s", self.model.name, slot.index, exc)
+
+    # -- warm-up -------------------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Run every stream slot's context at 1 row and ``max_batch`` rows (CUDA graphs are captured then, not
+        on the first requests), and time one max batch with the slot's events."""
+        cuda.set_device(self.device)
+        for slot in self.slots:
+            for rows in sorted({1, self.model.max_batch}):
+                slot.ctx.enqueue(rows)
+            slot.stream.synchronize()
+        slot = self.slots[0]
+        times = []
+        for _ in range(3):
+            slot.start.record(slot.stream)
+            slot.ctx.enqueue(self.model.max_batch)
+            slot.end.record(slot.stream)
+            slot.end.synchronize()
+            times.append(cuda.elapsed_ms(slot.start, slot.end))
+        self.max_batch_ms = sorted(times)[1]
+        log.info("model %s: %d stream slots warm; one batch of %d rows computes in %.3f ms", self.model.name,
+                 len(self.slots), self.model.max_batch, self.max_batch_ms)
+
+    # -- runner thread -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        cuda.set_device(self.device)  # the current device is per thread
+        while not self._stop.is_set():
+            try:
+                slot = self._free.get(timeout=POLL_S)  # (1) a free stream slot first: batches grow meanwhile
+            except queue.Empty:
+                continue
+            take = self.batcher.take(timeout=POLL_S)
+            if take is None:
+                self._free.put(slot)
+                continue
+            self._launch(slot, take)
+
+    def _launch(self, slot: StreamSlot, take: Take[Work]) -> None:
+        self.answer_timed_out(take)  # (2)
+        if not take.batch:
+            self._free.put(slot)
+            return
+        now = time.monotonic()
+        queued = self.stages["queue"]
+        for e in take.batch:
+            queued.add((now - e.enqueued) * 1e6)
+        works = [e.item for e in take.batch]
+        try:
+            slot.rows = self._enqueue(slot, works)  # (3)-(6)
+        except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
+            self._abandon(slot, works, exc)
+            return
+        slot.works = works
+        self.counters.batch(slot.rows)
+        self._launched.put(slot)
+
+    def _enqueue(self, slot: StreamSlot, works: list[Work]) -> int:
+        """Queue the whole batch on the slot's stream without waiting for the device; returns its rows."""
+        ctx, stream = slot.ctx, slot.stream.handle
+        slot.start.record(stream)
+        dsts, srcs, sizes, rows = self.copies.inputs(works, ctx.input_ptrs)
+        self.copies.issue(dsts, srcs, sizes, "h2d", stream)  # (3)
+        slot.copied_in.record(stream)
+        ctx.enqueue(rows)  # (4)
+        slot.computed.record(stream)
+        dsts, srcs, sizes = self.copies.outputs(works, ctx.output_ptrs)
+        self.copies.issue(dsts, srcs, sizes, "d2h", stream)  # (5)
+        slot.end.record(stream)  # (6)
+        return rows
+
+    def _abandon(self, slot: StreamSlot, works: list[Work], exc: BaseException) -> None:
+        """A launch failed part-way: let what was queued finish (no copy may still target a slot that is
+        answered and reused), then fail the batch and return the stream slot."""
+        try:
+            slot.stream.synchronize()
+        except cuda.CudaError as sync_exc:
+            log.error("model %s: stream slot %d did not drain after a failed launch: %s", self.model.name,
+                      slot.index, sync_exc)
+        self.fail(works, exc)
+        self._free.put(slot)
+
+    # -- completion thread ---------------------------------------------------------------------------------
+    def _complete_loop(self) -> None:
+        cuda.set_device(self.device)
+        while True:
+            slot = self._launched.get()  # (7) in launch order
+            if slot is None:
+                return
+            works, slot.works = slot.works, []
+            try:
+                slot.end.synchronize()
+            except cuda.CudaError as exc:
+                self.fail(works, exc)
+                self._free.put(slot)
+                continue
+            complete_ok(self.codec, self.counters, works)  # answers first, statistics after
+            self._record_stages(slot)
+            self._free.put(slot)
+
+    def _record_stages(self, slot: StreamSlot) -> None:
+        try:
+            h2d, compute, d2h = slot.stage_ms()
+        except cuda.CudaError as exc:
+            log.warning("model %s: stage timing failed: %s", self.model.name, exc)
+            return
+        self.stages["h2d"].add(h2d * 1e3)
+        self.stages["compute"].add(compute * 1e3)
+        self.stages["d2h"].add(d2h * 1e3)

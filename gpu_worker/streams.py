@@ -1,0 +1,118 @@
+"""A model's stream slots, and the copies of one batch between ring slots and a slot's device buffers.
+
+A stream slot is everything one batch in flight needs, made once at start: a CUDA stream, the engine's
+context for that stream (device input and output buffers for ``max_batch`` rows), and four timing events
+that split the batch into its stages (H2D, compute, D2H). Nothing here allocates per batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from gpu_worker import cuda
+from gpu_worker.codec import ModelCodec
+from gpu_worker.engines.base import DeviceContext, DeviceEngine
+from gpu_worker.runner import Work
+
+log = logging.getLogger(__name__)
+
+
+class StreamSlot:
+    """One batch in flight at a time. Owned by the runner thread from launch, by the completion thread from
+    the hand-off until it is returned to the free pool."""
+
+    def __init__(self, index: int, engine: DeviceEngine, max_batch: int) -> None:
+        self.index = index
+        self.stream = cuda.Stream()
+        self.events: list[cuda.Event] = []
+        self.context: DeviceContext | None = None
+        try:
+            self.events = [cuda.Event(timing=True) for _ in range(3)]
+            # the completion thread sleeps on this one in the driver instead of spinning a core
+            self.events.append(cuda.Event(timing=True, blocking=True))
+            self.context = engine.create_context(index, self.stream.handle, max_batch)
+        except BaseException:
+            self.close()
+            raise
+        self.start, self.copied_in, self.computed, self.end = self.events
+        self.works: list[Work] = []
+        self.rows = 0
+
+    @property
+    def ctx(self) -> DeviceContext:
+        if self.context is None:
+            raise RuntimeError(f"stream slot {self.index} is closed")
+        return self.context
+
+    def stage_ms(self) -> tuple[float, float, float]:
+        """(H2D, compute, D2H) milliseconds of the last batch; its end event must have completed."""
+        return (cuda.elapsed_ms(self.start, self.copied_in), cuda.elapsed_ms(self.copied_in, self.computed),
+                cuda.elapsed_ms(self.computed, self.end))
+
+    def close(self) -> None:
+        """Release the context, events and stream (idempotent); the stream's work must be finished."""
+        if self.context is not None:
+            self.context.close()
+            self.context = None
+        for ev in self.events:
+            ev.close()
+        self.stream.close()
+
+
+class CopyPlan:
+    """Builds one batch's copy lists (destination, source, size) and issues them on a stream.
+
+    Inputs go from each request's slot (``segment.address`` + the slot's input base + the tensor's offset)
+    into its rows of the context's input buffers; outputs from the context's output buffers into the
+    request's own slot at the canonical offsets, where the CPU runner writes them too.
+    ``batched``: one cudaMemcpyBatchAsync per direction instead of one cudaMemcpyAsync per tensor.
+    """
+
+    def __init__(self, codec: ModelCodec, batched: bool) -> None:
+        self.codec = codec
+        self.batched = batched
+        self.in_items = [s.item_bytes for s in codec.model.inputs]
+        self.out_items = [s.item_bytes for s in codec.model.outputs]
+
+    def inputs(self, works: list[Work], ptrs: list[int]) -> tuple[list[int], list[int], list[int], int]:
+        dsts: list[int] = []
+        srcs: list[int] = []
+        sizes: list[int] = []
+        row = 0
+        in_items = self.in_items
+        for w in works:
+            session = w.session
+            session.ensure_registered()
+            base = session.segment.address + session.layout.input_bases[w.req.slot]
+            for t in w.req.tensors:  # in any order: ``index`` says which input (checked unique at intake)
+                dsts.append(ptrs[t.index] + row * in_items[t.index])
+                srcs.append(base + t.offset)
+                sizes.append(t.nbytes)
+            row += w.rows
+        return dsts, srcs, sizes, row
+
+    def outputs(self, works: list[Work], ptrs: list[int]) -> tuple[list[int], list[int], list[int]]:
+        dsts: list[int] = []
+        srcs: list[int] = []
+        sizes: list[int] = []
+        row = 0
+        out_items = self.out_items
+        offsets = self.codec.outputs
+        for w in works:
+            session = w.session
+            base = session.segment.address + session.layout.output_bases[w.req.slot]
+            rows = w.rows
+            for k, off in enumerate(offsets[rows][0]):  # canonical offsets fit every row count the session allows
+                dsts.append(base + off)
+                srcs.append(ptrs[k] + row * out_items[k])
+                sizes.append(rows * out_items[k])
+            row += rows
+        return dsts, srcs, sizes
+
+    def issue(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], kind: str, stream: int) -> None:
+        if self.batched and len(dsts) > 1:
+            cuda.memcpy_batch_async(dsts, srcs, sizes, stream)
+            return
+        for d, s, n in zip(dsts, srcs, sizes, strict=True):
+            cuda.memcpy_async(d, s, n, kind, stream)
