@@ -42,6 +42,8 @@ class SessionsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class WorkerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     devices: list[int | str] = msgspec.field(default_factory=lambda: ["cpu"])
+    # after traffic, a process worker polls its data socket without sleeping for this long (0: never)
+    spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 1000
 
 
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -186,6 +186,8 @@ def test_out_of_range_model_fields(fields: dict[str, Any], key: str, expect: str
         ("broker", {"restart_backoff_ms": -1}, "broker.restart_backoff_ms", "Expected `int` >= 0"),
         ("broker", {"worker_mode": "fiber"}, "broker.worker_mode", "Invalid enum value 'fiber'"),
         ("broker", {"log_level": "debug"}, "broker.log_level", "Invalid enum value 'debug'"),
+        ("worker", {"spin_us": -1}, "worker.spin_us", "Expected `int` >= 0"),
+        ("worker", {"spin_us": 200_000}, "worker.spin_us", "Expected `int` <= 100000"),
     ],
 )
 def test_out_of_range_section_fields(section: str, fields: dict[str, Any], key: str, expect: str) -> None:
