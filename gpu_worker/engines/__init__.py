@@ -2,16 +2,66 @@
 
 from __future__ import annotations
 
-from gpu_worker.engines.base import Engine, EngineError, IOSpec
+from gpu_worker.engines.base import DeviceContext, DeviceEngine, Engine, EngineError, IOSpec, is_device_engine
+
+GPU_ENGINES = ("torch", "tensorrt")
 
 
-def load_engine(kind: str, source: str | bytes, *, device: str, intra_op_threads: int = 0) -> Engine:
-    """Build the engine named ``kind`` for a model file (or bytes); EngineError says what failed."""
+def parse_device(device: str, kind: str) -> int | None:
+    """None for "cpu", the ordinal for a GPU index ("0", "1", ...); EngineError for anything else, or for a GPU
+    engine asked to run on the CPU (the message names the config key)."""
+    if device == "cpu":
+        if kind in GPU_ENGINES:
+            raise EngineError(
+                f"engine {kind!r} runs on a GPU, but this worker's device is 'cpu': "
+                f"list GPU indices in worker.devices (e.g. [0]) or use engine 'onnxruntime'"
+            )
+        return None
+    if not device.isdigit():
+        raise EngineError(f"device {device!r} is neither 'cpu' nor a GPU index (worker.devices)")
+    return int(device)
+
+
+def load_engine(
+    kind: str,
+    source: str | bytes,
+    *,
+    device: str,
+    intra_op_threads: int = 0,
+    fp16: bool = False,
+    cuda_graphs: bool = True,
+    max_batch: int = 8,
+) -> Engine:
+    """Build the engine named ``kind`` for a model file (or bytes) on ``device``; EngineError says what failed.
+
+    "onnxruntime" runs on the CPU whatever the device. "torch" and "tensorrt" need a GPU device and return a
+    DeviceEngine; ``fp16`` and ``cuda_graphs`` apply to "torch", ``max_batch`` is checked against a TensorRT
+    plan's first optimization profile at load. A missing package gives an EngineError naming what to install.
+    """
     if kind == "onnxruntime":
         from gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
 
         return OnnxRuntimeEngine(source, intra_op_threads=intra_op_threads)
-    raise EngineError(f"engine {kind!r} is not available in this build (the GPU engines come with issue 3)")
+    ordinal = parse_device(device, kind)
+    if kind == "torch" and ordinal is not None:
+        from gpu_worker.engines.torch import TorchEngine
+
+        return TorchEngine(source, device=ordinal, fp16=fp16, cuda_graphs=cuda_graphs)
+    if kind == "tensorrt" and ordinal is not None:
+        from gpu_worker.engines.tensorrt import TensorRTEngine
+
+        return TensorRTEngine(source, device=ordinal, max_batch=max_batch)
+    raise EngineError(f"unknown engine {kind!r}: expected one of 'onnxruntime', 'torch', 'tensorrt'")
 
 
-__all__ = ["Engine", "EngineError", "IOSpec", "load_engine"]
+__all__ = [
+    "GPU_ENGINES",
+    "DeviceContext",
+    "DeviceEngine",
+    "Engine",
+    "EngineError",
+    "IOSpec",
+    "is_device_engine",
+    "load_engine",
+    "parse_device",
+]
