@@ -73,6 +73,20 @@ def _make_logger(trt: Any) -> Any:
     return CapturingLogger()
 
 
+_shared: dict[str, Any] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_logger(trt: Any) -> Any:
+    """The one capturing logger of the process. TensorRT keeps the logger of the first runtime for every later
+    one (it says so: "the current new logger is ignored"), so a logger per engine would miss its own messages
+    and could be freed while TensorRT still calls it; this one lives as long as the process."""
+    with _shared_lock:
+        if "logger" not in _shared:
+            _shared["logger"] = _make_logger(trt)
+        return _shared["logger"]
+
+
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
 
@@ -171,7 +185,8 @@ class TensorRTEngine:
         if meta is not None:
             check_plan_meta(meta, where=where, trt_version=self.version, gpu_name=gpu, capability=capability)
         data = source if isinstance(source, bytes) else _read_plan(source)
-        self._logger = _make_logger(trt)
+        self._logger = shared_logger(trt)
+        self._logger.take()  # forget what earlier engines left: what follows is this plan's
         self._runtime = trt.Runtime(self._logger)
         # a version-compatible plan embeds its own lean runtime, which runs only when host code is allowed;
         # plans are trusted like TorchScript files (both carry code), and other plans ignore the setting

@@ -156,6 +156,14 @@ def _exported_io(program: Any, where: str) -> tuple[list[IOSpec], list[IOSpec]]:
     return inputs, outputs
 
 
+def _exported_module(program: Any, device: Any) -> Any:
+    try:
+        from torch.export.passes import move_to_device_pass
+    except ImportError:  # torch < 2.6: the unlifted module is moved with .to() later
+        return program.module()
+    return move_to_device_pass(program, device).module()
+
+
 def _load_file(path: str, device: Any) -> tuple[Any, list[IOSpec], list[IOSpec]]:
     torch = _torch()
     meta = read_sidecar(path)
@@ -169,8 +177,7 @@ def _load_file(path: str, device: Any) -> tuple[Any, list[IOSpec], list[IOSpec]]
             program = torch.export.load(path)
             if meta is None:
                 inputs, outputs = _exported_io(program, path)
-            move = getattr(getattr(torch.export, "passes", None), "move_to_device_pass", None)
-            module = move(program, device).module() if move is not None else program.module()
+            module = _exported_module(program, device)
         else:
             module = torch.jit.load(path, map_location="cpu")
     except (RuntimeError, ValueError, OSError) as exc:
@@ -211,8 +218,12 @@ class TorchEngine:
             module, self.inputs, self.outputs = _load_file(source, self._dev)
         else:
             raise EngineError(f"engine 'torch' loads .onnx, {'/'.join(_TORCHSCRIPT + _EXPORTED)} files, not {source}")
-        module.eval()
-        module.requires_grad_(False)
+        try:
+            module.eval()
+        except NotImplementedError:  # an ExportedProgram's module refuses eval(); it runs as it was exported
+            log.debug("%s: the module has no eval mode", source if isinstance(source, str) else "<model bytes>")
+        for param in module.parameters():  # ScriptModules refuse requires_grad_(); their parameters do not
+            param.requires_grad_(False)
         if fp16:
             module.half()
         self._module = module.to(self._dev)
