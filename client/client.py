@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import zmq
@@ -36,6 +37,7 @@ from client.errors import (
     WorkerDied,
     from_status,
 )
+from client.lead import ReceiveRole
 from client.request import Request
 from client.session import GRACE_S, Link, ModelPlan, RowsLayout, control_socket, handshake
 
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 Inputs = np.ndarray | Mapping[str, np.ndarray]
 Outputs = np.ndarray | dict[str, np.ndarray]
 Callback = Callable[[Outputs | None, ShmBrokerError | None], object]
+T = TypeVar("T")
 MAX_TIMEOUT_S = 0xFFFF_FFFF / 1e6  # timeout_us is a u32 on the wire
 
 
@@ -76,7 +79,7 @@ class Client:
 
     def __init__(
         self, runtime_dir: str | os.PathLike[str] | None = None, *, slots: int = 0, max_items: int = 0,
-        connect_timeout: float = 10.0, name: str = "",
+        connect_timeout: float = 10.0, name: str = "", spin_us: int = 1000,
     ) -> None:
         self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else runtime.resolve()
         self._pid = os.getpid()
@@ -110,6 +113,7 @@ class Client:
         self._wake_tx = self._ctx.socket(zmq.PAIR)
         self._wake_tx.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
+        self._role = ReceiveRole(self._wake, spin_us)
         for info in hs.ready.workers:
             self._links[info.worker_id] = Link(self._ctx, info)
         self._link_list: tuple[Link, ...] = ()
@@ -121,14 +125,24 @@ class Client:
 
     # -- public API -------------------------------------------------------------------------------------------
     def infer(self, model: str, inputs: Inputs, timeout: float | None = None) -> Outputs:
-        """Run one request and return its output (one array, or a dict when the model has several)."""
-        if threading.current_thread() is self._io:
-            raise ShmBrokerError("infer() cannot wait inside a completion callback; use submit()", "DEADLOCK")
-        fut = self.submit(model, inputs, timeout)
-        plan = self.models[model]
-        wait = (timeout if timeout is not None else plan.info.timeout_ms / 1e3) + GRACE_S
+        """Run one request and return its output (one array, or a dict when the model has several).
+
+        The calling thread receives the answer itself (see client.lead), so no thread hand-off is paid.
+        """
+        plan, slot, rows = self._fill(model, inputs, timeout)
+        fut: Future[Outputs] = Future()
+        self._send(slot, plan, rows, timeout, lambda r: self._resolve(fut, plan, slot, r), release=True)
+        return self.wait_for(fut, (timeout if timeout is not None else plan.info.timeout_ms / 1e3) + GRACE_S)
+
+    def wait_for(self, fut: Future[T], wait: float) -> T:
+        """Block for ``fut`` (a request of this client), receiving answers on this thread meanwhile."""
+        if threading.current_thread() is self._io or self._role.leading():
+            raise ShmBrokerError("a completion callback cannot wait for an answer; use submit() or call()",
+                                 "DEADLOCK")
+        until = time.monotonic() + wait
+        self._role.lead(fut, until, self._snapshot_links, self._drain_done, lambda: bool(self._pending))
         try:
-            return fut.result(wait)
+            return fut.result(max(0.0, until - time.monotonic()))
         except TimeoutError:
             if fut.done():
                 raise
@@ -138,16 +152,19 @@ class Client:
         """Queue one request; the Future holds the output or a ShmBrokerError."""
         plan, slot, rows = self._fill(model, inputs, timeout)
         fut: Future[Outputs] = Future()
+        self._role.unpark()  # a Future is completed by the IO thread (or by a thread waiting in infer)
         self._send(slot, plan, rows, timeout, lambda r: self._resolve(fut, plan, slot, r), release=True)
         return fut
 
     def call(self, model: str, inputs: Inputs, callback: Callback, timeout: float | None = None) -> None:
-        """Queue one request; ``callback(outputs, error)`` runs on the client's IO thread when it is answered.
+        """Queue one request; ``callback(outputs, error)`` runs when it is answered, on the client's IO thread
+        or on a thread of this client that is blocked in ``infer()`` (client.lead); it must not block.
 
         Exactly one of the two is None. The lightest way to keep many requests in flight: no Future, and
         requests submitted from a callback go out together in one message.
         """
         plan, slot, rows = self._fill(model, inputs, timeout)
+        self._role.unpark()
         self._send(slot, plan, rows, timeout, lambda r: self._deliver(callback, plan, slot, r), release=True)
 
     def _fill(self, model: str, inputs: Inputs, timeout: float | None) -> tuple[ModelPlan, int, int]:
@@ -201,11 +218,12 @@ class Client:
         self._finalizer()
         with self._slot_cond:
             self._slot_cond.notify_all()  # callers waiting for a slot see the client closed
-        self._fail_all("the client was closed")
         with contextlib.suppress(zmq.ZMQError):
             self._ctl.send_multipart(P.encode(P.Bye(self.session_id)))
-        for link in self._snapshot_links():
-            link.close()
+        with self._role.exclusive():
+            self._fail_all("the client was closed")
+            for link in self._snapshot_links():
+                link.close()
         self._ctx.destroy(linger=200)
         self.segment.close()
 
@@ -393,17 +411,24 @@ class Client:
             log.exception("a submit callback raised; the client goes on")
 
     def _io_loop(self) -> None:
-        """(1) poll, (2) DONEs from workers, (3) notices from the broker, (4) links coming up."""
-        poller: zmq.Poller | None = None
+        """(1) poll, (2) DONEs from workers, unless a caller receives them, (3) broker notices, (4) links up."""
+        pollers: tuple[zmq.Poller, zmq.Poller] | None = None
         links: tuple[Link, ...] = ()
         try:
             while not self._stop.is_set():
-                if poller is None or self._links_changed:
-                    poller, links = self._make_poller()
-                events = dict(poller.poll(100))  # (1)
+                if pollers is None or self._links_changed:
+                    pollers, links = self._make_pollers()
+                if self._role.io_may_receive():
+                    try:
+                        events = dict(pollers[0].poll(100))  # (1)
+                        for link in links:
+                            if link.pull in events:
+                                self._drain_done(link)  # (2)
+                    finally:
+                        self._role.lock.release()
+                else:  # a caller waiting in infer() holds the reply sockets
+                    events = dict(pollers[1].poll(100))
                 for link in links:
-                    if link.pull in events:
-                        self._drain_done(link)  # (2)
                     if link.monitor in events and link.handshake_done():  # (4)
                         self._links_changed = True
                         with self._slot_cond:
@@ -417,17 +442,20 @@ class Client:
         except zmq.ContextTerminated:
             return
 
-    def _make_poller(self) -> tuple[zmq.Poller, tuple[Link, ...]]:
+    def _make_pollers(self) -> tuple[tuple[zmq.Poller, zmq.Poller], tuple[Link, ...]]:
+        """(everything, everything but the reply sockets), and the links they cover."""
         self._links_changed = False
         links = self._snapshot_links()
-        poller = zmq.Poller()
-        poller.register(self._ctl, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
+        full, control = zmq.Poller(), zmq.Poller()
+        for poller in (full, control):
+            poller.register(self._ctl, zmq.POLLIN)
+            poller.register(self._wake_rx, zmq.POLLIN)
+            for link in links:
+                if not link.up:
+                    poller.register(link.monitor, zmq.POLLIN)
         for link in links:
-            poller.register(link.pull, zmq.POLLIN)
-            if not link.up:
-                poller.register(link.monitor, zmq.POLLIN)
-        return poller, links
+            full.register(link.pull, zmq.POLLIN)
+        return (full, control), links
 
     def _drain_done(self, link: Link) -> None:
         self._cork.on = True  # submits made by callbacks coalesce into one message per worker
@@ -507,11 +535,14 @@ class Client:
             return
         self._links_updated()
         self._links_changed = True
-        link.close()
         err = f"worker {worker_id} died ({reason})"
-        for slot, p in list(self._pending.items()):
-            if p.worker_id == worker_id:
-                self._complete(link, WorkerDied(err), slot)
+        with self._role.exclusive() as held:  # completions and the reply sockets belong to the receive role
+            if not held:
+                log.error("a completion callback held the receive role for 5 s; closing link %d anyway", worker_id)
+            link.close()
+            for slot, p in list(self._pending.items()):
+                if p.worker_id == worker_id:
+                    self._complete(link, WorkerDied(err), slot)
         log.warning("%s", err)
 
     def _worker_up(self, info: P.WorkerInfo) -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from broker import protocol as P
-from client.errors import RequestTimeout, ShmBrokerError, from_status
+from client.errors import ShmBrokerError, from_status
 from client.session import GRACE_S, ModelPlan
 
 if TYPE_CHECKING:
@@ -38,10 +38,7 @@ class Request:
         self.in_flight = True
         self._client._send(self._slot, self._plan, self._rows, self._timeout, done.set_result, release=False)
         wait = (self._timeout if self._timeout is not None else self._plan.info.timeout_ms / 1e3) + GRACE_S
-        try:
-            r = done.result(wait)
-        except TimeoutError:
-            raise RequestTimeout(f"no answer from the worker within {wait:.1f} s") from None
+        r = self._client.wait_for(done, wait)
         self.in_flight = False
         if isinstance(r, ShmBrokerError):
             raise r
