@@ -71,6 +71,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="each throughput window (default 5, 2 with --quick)")
     ap.add_argument("--requests", type=int, default=None, metavar="N",
                     help="latency requests at concurrency 1 (default 5000, 2000 with --quick)")
+    ap.add_argument("--gpu", action="store_true",
+                    help="the GPU benchmark instead (bench/gpu.py; default config bench/gpu.toml; see bench/README.md)")
+    ap.add_argument("--processes", type=int, default=16, help="--gpu: client processes (default 16)")
+    ap.add_argument("--in-flight", type=int, default=8, help="--gpu: requests each client keeps in flight (default 8)")
+    ap.add_argument("--log-dir", default=None, metavar="DIR", help="--gpu: keep the broker's log there")
 
 
 def _now_iso() -> str:
@@ -267,6 +272,10 @@ def _write(text: str, stream: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.gpu:
+        from bench.gpu import main as gpu_main
+
+        return gpu_main(args)
     progress = Progress()
     cfg_path = Path(args.config).resolve() if args.config else config.DEFAULT_CONFIG
     cfg = config.load(cfg_path)  # a ConfigError is reported by the CLI (exit 2)

@@ -35,6 +35,16 @@ class Histogram:
             self._sum += us
             self._max = max(self._max, us)
 
+    def add_all(self, values_us: list[float]) -> None:
+        """Several observations under one lock (a batch's requests)."""
+        idx = [bisect.bisect_left(self.bounds_us, us) for us in values_us]
+        with self._lock:
+            for i in idx:
+                self._counts[i] += 1
+            self._count += len(values_us)
+            self._sum += sum(values_us)
+            self._max = max(self._max, *values_us) if values_us else self._max
+
     def add_same(self, us: float, n: int) -> None:
         """``n`` observations of one duration (a batch's stage, once per request it served) under one lock."""
         i = bisect.bisect_left(self.bounds_us, us)

@@ -26,13 +26,13 @@ from gpu_worker.engines.base import DeviceEngine
 from gpu_worker.histogram import Histogram
 from gpu_worker.intake import ModelView
 from gpu_worker.runner import BatchRunner, ModelCounters, Work, complete_ok
-from gpu_worker.streams import CopyPlan, StreamSlot
+from gpu_worker.streams import CopyPlan, StreamSlot, probe_batched_copies
 
 log = logging.getLogger(__name__)
 
 STAGES = ("queue", "h2d", "compute", "d2h")
 POLL_S = 0.5  # how often a waiting runner looks at its stop flag
-BATCHED_COPIES = False  # one cudaMemcpyAsync per tensor; bench/gpu_copies.py measures the batched call
+BATCHED_COPIES = False  # until warm_up has measured which way of issuing copies costs this thread less
 
 
 class PipelineRunner(BatchRunner):
@@ -60,6 +60,7 @@ class PipelineRunner(BatchRunner):
         for slot in self.slots:
             self._free.put(slot)
         self.max_batch_ms: float | None = None  # compute time of one max batch, measured by warm_up
+        self.copy_probe: dict[str, float | bool] = {}
 
     @property
     def cheap(self) -> bool:
@@ -107,8 +108,11 @@ class PipelineRunner(BatchRunner):
             slot.end.synchronize()
             times.append(cuda.elapsed_ms(slot.start, slot.end))
         self.max_batch_ms = sorted(times)[1]
-        log.info("model %s: %d stream slots warm; one batch of %d rows computes in %.3f ms", self.model.name,
-                 len(self.slots), self.model.max_batch, self.max_batch_ms)
+        self.copy_probe = probe_batched_copies(slot, self.model.inputs[0].item_bytes, self.model.max_batch)
+        self.copies.batched = bool(self.copy_probe["batched"])
+        log.info("model %s: %d stream slots warm; one batch of %d rows computes in %.3f ms; copies of a batch "
+                 "issued %s (%s)", self.model.name, len(self.slots), self.model.max_batch, self.max_batch_ms,
+                 "in one cudaMemcpyBatchAsync" if self.copies.batched else "one call per tensor", self.copy_probe)
 
     # -- runner thread -------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -130,9 +134,7 @@ class PipelineRunner(BatchRunner):
             self._free.put(slot)
             return
         now = time.monotonic()
-        queued = self.stages["queue"]
-        for e in take.batch:
-            queued.add((now - e.enqueued) * 1e6)
+        self.stages["queue"].add_all([(now - e.enqueued) * 1e6 for e in take.batch])
         works = [e.item for e in take.batch]
         try:
             slot.rows = self._enqueue(slot, works)  # (3)-(6)

@@ -24,6 +24,10 @@ def test_counts_land_in_the_bucket_whose_upper_bound_holds_them() -> None:
     assert (snap.count, snap.sum_us, snap.max_us) == (6, 5227.0, 5000.0)
     h.add_same(50.0, 4)
     assert h.snapshot().counts == [2, 6, 2]
+    h.add_all([1.0, 200.0, 99.0])
+    h.add_all([])
+    snap = h.snapshot()
+    assert snap.counts == [3, 7, 3] and snap.count == 13 and snap.sum_us == 5227.0 + 200.0 + 300.0
 
 
 def test_quantile_and_mean_from_a_snapshot() -> None:
@@ -42,7 +46,11 @@ def test_quantile_and_mean_from_a_snapshot() -> None:
 
 def test_concurrent_adds_are_all_counted() -> None:
     h = Histogram()
-    threads = [threading.Thread(target=lambda: [h.add(float(i)) for i in range(2000)]) for _ in range(4)]
+    def feed() -> None:
+        for i in range(2000):
+            h.add(float(i))
+
+    threads = [threading.Thread(target=feed) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:

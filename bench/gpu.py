@@ -1,0 +1,180 @@
+"""``shmbroker bench --gpu`` (or ``python -m bench.gpu``): the GPU pipeline against its two yardsticks, one run.
+
+Order: copy calls (per call against batched), (a) the in-process limit with CUDA graphs, (b) the classic
+synchronous server under the 16 client processes, (c) shmbroker under 16 client processes each sending
+batch-1 requests, GPU utilization sampled meanwhile. bench/README.md says what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import gpu_classic, gpu_inprocess, gpu_load, gpu_report, report
+from bench.broker_proc import BrokerProcess
+from bench.common import BenchError, Figures, Progress, latency_summary
+from bench.procs import Target, run_group
+from broker import config
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "gpu.toml"
+MODEL = "nsfw"
+
+
+@dataclass(frozen=True)
+class Settings:
+    duration_s: float
+    warmup_s: float
+    processes: int
+    in_flight: int
+    classic: bool = True
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Settings:
+        quick = bool(args.quick)
+        duration = args.duration if args.duration is not None else (2.0 if quick else 5.0)
+        return cls(duration, 0.5 if quick else 1.0, args.processes, args.in_flight)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """``python -m bench.gpu``'s options; ``shmbroker bench --gpu`` takes the same (bench/run.py)."""
+    ap.add_argument("--json", action="store_true", help="JSON on stdout (the table then goes to stderr)")
+    ap.add_argument("--out", default=None, metavar="FILE", help="write the JSON document to FILE")
+    ap.add_argument("--quick", action="store_true", help="2 s windows")
+    ap.add_argument("--config", default=None, metavar="PATH", help="broker config (default bench/gpu.toml)")
+    ap.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="each window (default 5)")
+    ap.add_argument("--processes", type=int, default=16, help="client processes in (b) and (c) (default 16)")
+    ap.add_argument("--in-flight", type=int, default=8, help="requests each (c) client keeps in flight (default 8)")
+    ap.add_argument("--log-dir", default=None, metavar="DIR", help="keep the broker's log there")
+
+
+class GpuBench:
+    def __init__(self, cfg: config.Config, cfg_path: Path, s: Settings, progress: Progress) -> None:
+        self.cfg, self.cfg_path, self.s, self.progress = cfg, cfg_path, s, progress
+        mc = cfg.models[MODEL]
+        self.device = int(cfg.worker.devices[0])
+        self.max_batch = mc.max_batch
+        self.delay_ms = mc.max_queue_delay_us / 1e3
+        self.measurements: dict[str, Figures] = {}
+        self.failures: list[str] = []
+        self.log_dir: Path | None = None
+
+    def phase(self, key: str, title: str, fn: Any) -> None:
+        self.progress.phase(title)
+        try:
+            self.measurements[key] = fn()
+            self.progress.done(gpu_report.summary(key, self.measurements[key]))
+        except (BenchError, RuntimeError, OSError) as exc:  # CudaError, EngineError are RuntimeErrors
+            self.failures.append(f"{key}: {exc}")
+            self.measurements[key] = {"error": str(exc)}
+            self.progress.note(f"FAILED: {exc}")
+
+    def specs(self, extra: Figures) -> list[dict[str, Any]]:
+        return [{"index": i, "seed": 100 + i, "shape": [1, 224, 224, 3], "warmup_s": self.s.warmup_s,
+                 "duration_s": self.s.duration_s, **extra} for i in range(self.s.processes)]
+
+    def run(self, workdir: Path) -> None:
+        self.phase("copies", "copy calls: one per request against one batched call",
+                   lambda: gpu_inprocess.copies(self.device, 224 * 224 * 3 * 4, 2 * 4))
+        self.phase("limit", "(a) in-process limit, CUDA graphs", lambda: gpu_inprocess.limit(
+            self.cfg, MODEL, self.device, 2 * self.s.duration_s, self.progress))
+        self.phase("classic", f"(b) classic synchronous server, {self.s.processes} client processes",
+                   lambda: self.classic(workdir))
+        self.phase("broker", f"(c) shmbroker, {self.s.processes} processes x {self.s.in_flight} batch-1 requests",
+                   lambda: self.broker(workdir))
+
+    def _group(self, target: Target, specs: list[dict[str, Any]], sampler: gpu_load.Sampler) -> Figures:
+        sampler.start()
+        try:
+            results = run_group(self.progress, target, specs, self.s.warmup_s + self.s.duration_s)
+        finally:
+            sampler.stop()
+        t0 = max(r["window_monotonic"][0] for r in results)
+        t1 = min(r["window_monotonic"][1] for r in results)
+        samples = [x for r in results for x in r["samples_ns"]]
+        completed = sum(r["completed"] for r in results)
+        return {"per_s": round(completed / self.s.duration_s, 1), "completed": completed,
+                "errors": sum(r["errors"] for r in results), "latency": latency_summary(samples),
+                "gpu_busy_pct": sampler.busy_pct(t0, t1), "gpu_busy_error": sampler.error,
+                "window_monotonic": [t0, t1]}
+
+    def classic(self, workdir: Path) -> Figures:
+        mc = self.cfg.models[MODEL]
+        from gpu_worker import model_source
+
+        endpoint = f"ipc://{workdir}/classic.sock"
+        with gpu_classic.ClassicServer(endpoint, str(model_source.resolve(self.cfg.model_path(MODEL))), self.device,
+                                       mc.fp16):
+            specs = self.specs({"endpoint": endpoint, "warmup_requests": 3})
+            out = self._group(gpu_classic.client, specs, gpu_load.Sampler(self.device))
+        return {**out, "fp16": mc.fp16, "clients": self.s.processes}
+
+    def broker(self, workdir: Path) -> Figures:
+        with BrokerProcess(self.cfg_path, workdir, self.progress) as b:
+            self.progress.note(f"broker ready in {b.startup_s:.1f} s")
+            specs = self.specs({"runtime_dir": str(b.runtime_dir), "model": MODEL, "in_flight": self.s.in_flight,
+                                "warmup_requests": 20})
+            sampler = gpu_load.Sampler(self.device, b.runtime_dir)
+            try:
+                out = self._group(gpu_load.client, specs, sampler)
+            finally:
+                if self.log_dir is not None:
+                    self.log_dir.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(b.log_path, self.log_dir / "broker.log")
+            window = sampler.stats_window(*out["window_monotonic"])
+            if window is not None:
+                (ta, before), (tb, after) = window
+                out["stages"] = gpu_load.stage_figures(before, after, MODEL, tb - ta)
+        out["shutdown"] = b.shutdown_figures()
+        if not out["shutdown"]["shm_clean"]:
+            self.failures.append(f"broker: unclean shutdown {out['shutdown']}")
+        return {**out, "clients": self.s.processes, "in_flight_per_client": self.s.in_flight,
+                "max_batch": self.max_batch, "max_queue_delay_ms": self.delay_ms}
+
+
+def main(args: argparse.Namespace) -> int:
+    progress = Progress()
+    cfg_path = Path(args.config).resolve() if args.config else DEFAULT_CONFIG
+    cfg = config.load(cfg_path)
+    if MODEL not in cfg.models or cfg.worker.devices[0] == "cpu":
+        raise SystemExit(f"{cfg_path}: the GPU bench needs a model {MODEL!r} and a GPU in worker.devices")
+    s = Settings.of(args)
+    from gpu_worker import cuda
+
+    doc: Figures = {"schema": "shmbroker-bench-gpu/1",
+                    "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
+                    "machine": {**report.machine(), "gpu": cuda.device_name(int(cfg.worker.devices[0]))},
+                    "config": {"path": str(cfg_path), "settings": config.to_dict(cfg)}, "settings": asdict(s)}
+    bench = GpuBench(cfg, cfg_path, s, progress)
+    bench.log_dir = Path(args.log_dir) if getattr(args, "log_dir", None) else None
+    workdir = Path(tempfile.mkdtemp(prefix="shmbroker-bench-gpu-"))
+    try:
+        bench.run(workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    doc["measurements"] = bench.measurements
+    doc["targets"] = gpu_report.targets(bench.measurements)
+    doc["failures"] = bench.failures
+    doc["elapsed_s"] = round(progress.elapsed(), 1)
+    text = json.dumps(doc, indent=2) + "\n"
+    human = gpu_report.table(doc)
+    (sys.stderr if args.json and not args.out else sys.stdout).write(human)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    elif args.json:
+        sys.stdout.write(text)
+    return 1 if bench.failures else 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
+    add_arguments(ap)
+    sys.exit(main(ap.parse_args()))

@@ -1,0 +1,150 @@
+"""In the bench process, no broker: (a) the engine's limit and the copy-call measurement.
+
+(a) The model's own engine (``load_engine`` with the config's engine, fp16 and cuda_graphs) and one stream
+slot's context, as the worker builds them; ``enqueue(b)`` back to back on one stream, timed by CUDA events,
+at each batch size from 1 up to max_batch (powers of two and max_batch). Inputs stay on the device: this is
+what the GPU can do with the model, with no copies at all. The best images/s is the limit; the time of one
+max batch is the compute term of the p99 target.
+
+Copies: what one batch's gather costs, one ``cudaMemcpyAsync`` per request or one ``cudaMemcpyBatchAsync``
+per batch, from a registered ring segment into a device buffer (inputs), and back (outputs), timed on the
+host (the issuing thread's cost, which the pipeline pays under the GIL) and on the device (events).
+"""
+
+from __future__ import annotations
+
+import secrets
+import statistics
+import time
+from collections.abc import Callable
+
+from bench.common import Figures, Progress
+from broker.config import Config
+from broker.ring import RingLayout, Segment, new_segment_name
+from gpu_worker import cuda, model_source
+from gpu_worker.engines import load_engine
+from gpu_worker.engines.base import DeviceEngine
+
+COPY_COUNTS = (1, 8, 32)
+COPY_REPS = 50
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    return sorted({1 << k for k in range(max_batch.bit_length()) if 1 << k <= max_batch} | {max_batch})
+
+
+def load_device_engine(cfg: Config, model: str, device: int) -> DeviceEngine:
+    mc = cfg.models[model]
+    engine = load_engine(mc.engine, model_source.resolve(cfg.model_path(model)), device=str(device),
+                         fp16=mc.fp16, cuda_graphs=mc.cuda_graphs, max_batch=mc.max_batch)
+    if not callable(getattr(engine, "create_context", None)):
+        raise RuntimeError(f"model {model!r}: engine {mc.engine!r} is not a GPU engine")
+    return engine  # type: ignore[return-value]
+
+
+def limit(cfg: Config, model: str, device: int, duration_s: float, progress: Progress) -> Figures:
+    """(a): back-to-back enqueues per batch size on one stream, about ``duration_s`` in all."""
+    mc = cfg.models[model]
+    cuda.set_device(device)
+    t_load = time.monotonic()
+    engine = load_device_engine(cfg, model, device)
+    stream = cuda.Stream()
+    ctx = engine.create_context(0, stream.handle, mc.max_batch)
+    graph_sizes = list(getattr(ctx, "graph_sizes", []))
+    progress.note(f"engine and one context ready in {time.monotonic() - t_load:.1f} s")
+    start, end = cuda.Event(timing=True), cuda.Event(timing=True)
+    sizes = batch_sizes(mc.max_batch)
+    by_batch: dict[str, Figures] = {}
+    try:
+        for b in sizes:
+            def run(n: int, b: int = b) -> float:
+                start.record(stream)
+                for _ in range(n):
+                    ctx.enqueue(b)
+                end.record(stream)
+                end.synchronize()
+                return cuda.elapsed_ms(start, end)
+
+            one = run(5) / 5  # warm, and how many fit the time share
+            n = max(20, int(duration_s / len(sizes) * 1e3 / max(one, 1e-3)))
+            ms = run(n)
+            by_batch[str(b)] = {"runs": n, "ms_per_batch": round(ms / n, 4),
+                                "items_per_s": round(n * b / (ms / 1e3), 1)}
+            progress.tick(f"batch {b}: {ms / n:.3f} ms, {n * b / (ms / 1e3):,.0f} images/s")
+    finally:
+        ctx.close()
+        stream.close()
+        engine.close()
+    best = max(by_batch, key=lambda k: by_batch[k]["items_per_s"])
+    return {
+        "model": model, "engine": mc.engine, "fp16": mc.fp16, "cuda_graphs": mc.cuda_graphs,
+        "graph_sizes": graph_sizes,
+        "by_batch": by_batch, "best_batch": int(best), "items_per_s": by_batch[best]["items_per_s"],
+        "max_batch": mc.max_batch, "max_batch_ms": by_batch[str(mc.max_batch)]["ms_per_batch"],
+    }
+
+
+def _timed(issue: Callable[[], None], stream: cuda.Stream, start: cuda.Event, end: cuda.Event) -> tuple[float, float]:
+    """(host microseconds to issue, device microseconds to complete) of one round of copies."""
+    start.record(stream)
+    t0 = time.perf_counter()
+    issue()
+    host = (time.perf_counter() - t0) * 1e6
+    end.record(stream)
+    end.synchronize()
+    return host, cuda.elapsed_ms(start, end) * 1e3
+
+
+def copies(device: int, in_bytes: int, out_bytes: int) -> Figures:
+    """Per-call against batched copies for COPY_COUNTS requests of ``in_bytes`` in and ``out_bytes`` out."""
+    cuda.set_device(device)
+    n_max = max(COPY_COUNTS)
+    layout = RingLayout(1, n_max, in_bytes, max(out_bytes, 64))
+    seg = Segment.create(new_segment_name("bench" + secrets.token_hex(4)), layout)
+    stream = cuda.Stream()
+    start, end = cuda.Event(timing=True), cuda.Event(timing=True)
+    out: Figures = {"in_bytes": in_bytes, "out_bytes": out_bytes, "reps": COPY_REPS,
+                    "batch_call_available": cuda.has_memcpy_batch()}
+    registered = False
+    try:
+        cuda.host_register(seg.address, seg.nbytes)
+        registered = True
+        with cuda.DeviceBuffer(n_max * in_bytes) as dev_in, cuda.DeviceBuffer(n_max * max(out_bytes, 64)) as dev_out:
+            for n in COPY_COUNTS:
+                h2d = ([dev_in.ptr + i * in_bytes for i in range(n)],
+                       [seg.address + layout.input_bases[i] for i in range(n)], [in_bytes] * n, "h2d")
+                d2h = ([seg.address + layout.output_bases[i] for i in range(n)],
+                       [dev_out.ptr + i * out_bytes for i in range(n)], [out_bytes] * n, "d2h")
+                for name, (dsts, srcs, sizes, kind) in (("h2d", h2d), ("d2h", d2h)):
+                    out[f"{name}_x{n}"] = _compare(dsts, srcs, sizes, kind, stream, start, end)
+    finally:
+        stream.synchronize()
+        if registered:
+            cuda.host_unregister(seg.address)
+        seg.close()
+        seg.unlink()
+        stream.close()
+    return out
+
+
+def _compare(dsts: list[int], srcs: list[int], sizes: list[int], kind: str, stream: cuda.Stream,
+             start: cuda.Event, end: cuda.Event) -> Figures:
+    h = stream.handle
+
+    def per_call() -> None:
+        for d, s, n in zip(dsts, srcs, sizes, strict=True):
+            cuda.memcpy_async(d, s, n, kind, h)
+
+    def batched() -> None:
+        cuda.memcpy_batch_async(dsts, srcs, sizes, h)
+
+    res: Figures = {}
+    for name, fn in (("per_call", per_call), ("batched", batched)):
+        try:
+            runs = [_timed(fn, stream, start, end) for _ in range(COPY_REPS)]
+        except cuda.CudaError as exc:
+            res[name] = {"error": str(exc)}
+            continue
+        res[name] = {"host_us": round(statistics.median(r[0] for r in runs), 1),
+                     "device_us": round(statistics.median(r[1] for r in runs), 1)}
+    return res

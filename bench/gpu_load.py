@@ -1,0 +1,177 @@
+"""(c) shmbroker under load, and what is sampled meanwhile.
+
+Each client process keeps ``in_flight`` batch-1 requests outstanding with ``Client.call`` (a request's
+callback submits the next, as in bench/load.py) and times every request from submit to callback. Its
+window's start and end are reported on the system-wide monotonic clock, so that the bench process can pick
+the GPU utilization samples and the broker's stats that fall inside the window.
+
+``Sampler`` (a thread of the bench process): NVML's GPU utilization (the share of time a kernel ran, as
+nvidia-smi shows it) every 0.1 s, and the broker's stats every 0.5 s.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import Figures
+from bench.procs import Sync
+from broker import protocol as P
+from broker.cli import ask_broker
+from client import Client, ShmBrokerError
+from gpu_worker.histogram import mean, quantile
+
+
+class _Chains:
+    """``in_flight`` chains; chain i's request was submitted at ``sent[i]``; completions in the window count."""
+
+    def __init__(self, client: Client, model: str, x: np.ndarray, t_count: float, t_end: float, n: int) -> None:
+        self.client, self.model, self.x = client, model, x
+        self.t_count, self.t_end = t_count, t_end
+        self.sent = [0] * n
+        self.samples: list[int] = []
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
+        self.live = n
+        self.drained = threading.Event()
+
+    def launch(self, i: int) -> None:
+        self.sent[i] = time.perf_counter_ns()
+        try:
+            self.client.call(self.model, self.x, lambda out, exc: self.on_done(i, exc))
+        except ShmBrokerError as exc:
+            with self.lock:
+                self.errors[f"submit:{exc.code}"] += 1
+            self._ended()
+
+    def on_done(self, i: int, exc: ShmBrokerError | None) -> None:
+        t = time.perf_counter_ns()
+        now = t / 1e9
+        if self.t_count <= now < self.t_end:
+            with self.lock:
+                if exc is None:
+                    self.samples.append(t - self.sent[i])
+                else:
+                    self.errors[getattr(exc, "code", type(exc).__name__)] += 1
+        if now < self.t_end:
+            self.launch(i)
+        else:
+            self._ended()
+
+    def _ended(self) -> None:
+        with self.lock:
+            self.live -= 1
+            if self.live <= 0:
+                self.drained.set()
+
+
+def client(spec: dict[str, Any], sync: Sync) -> Figures:
+    """One application process: its own session, ``in_flight`` batch-1 requests in flight for the window."""
+    model, in_flight = spec["model"], spec["in_flight"]
+    with Client(spec["runtime_dir"], slots=2 * in_flight, name=f"bench-gpu-{spec['index']}") as c:
+        x = np.random.default_rng(spec["seed"]).random(tuple(spec["shape"]), dtype=np.float32)
+        for _ in range(spec["warmup_requests"]):
+            c.infer(model, x)
+        sync()
+        t0 = time.perf_counter()
+        w0 = time.monotonic() + spec["warmup_s"]
+        chains = _Chains(c, model, x, t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"], in_flight)
+        for i in range(in_flight):
+            chains.launch(i)
+        drained = chains.drained.wait(spec["warmup_s"] + spec["duration_s"] + 30.0)
+        with chains.lock:
+            samples, errors = list(chains.samples), dict(chains.errors)
+    return {"completed": len(samples), "errors": sum(errors.values()), "error_codes": errors,
+            "samples_ns": samples, "window_s": spec["duration_s"], "lost": 0 if drained else chains.live,
+            "window_monotonic": [w0, w0 + spec["duration_s"]]}
+
+
+Snapshot = tuple[float, P.StatsReply]  # (time.monotonic(), the broker's stats then)
+
+
+class Sampler(threading.Thread):
+    """GPU utilization (NVML) and, when ``runtime_dir`` is given, the broker's stats, with monotonic times."""
+
+    def __init__(self, device: int, runtime_dir: Path | None = None, period_s: float = 0.1) -> None:
+        super().__init__(name="bench-sampler", daemon=True)
+        self.device, self.runtime_dir, self.period_s = device, runtime_dir, period_s
+        self.util: list[tuple[float, int]] = []
+        self.stats: list[Snapshot] = []
+        self.error: str | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception as exc:  # noqa: BLE001 - no NVML: the figure is reported as missing, with why
+            self.error = f"NVML unavailable: {type(exc).__name__}: {exc}"
+            pynvml = None
+        handle = pynvml.nvmlDeviceGetHandleByIndex(self.device) if pynvml else None
+        next_stats = 0.0
+        try:
+            while not self._stop_event.wait(self.period_s):
+                now = time.monotonic()
+                if pynvml is not None:
+                    self.util.append((now, int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)))
+                if self.runtime_dir is not None and now >= next_stats:
+                    reply = ask_broker(self.runtime_dir, P.StatsRequest(), 2.0)
+                    if isinstance(reply, P.StatsReply):
+                        self.stats.append((time.monotonic(), reply))
+                    next_stats = now + 0.5
+        finally:
+            if pynvml is not None:
+                pynvml.nvmlShutdown()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(10.0)
+
+    def busy_pct(self, t0: float, t1: float) -> float | None:
+        inside = [u for t, u in self.util if t0 <= t <= t1]
+        return round(sum(inside) / len(inside), 1) if inside else None
+
+    def stats_window(self, t0: float, t1: float) -> tuple[Snapshot, Snapshot] | None:
+        """The first stats snapshot at or after ``t0`` and the last at or before ``t1``."""
+        first = next((s for s in self.stats if s[0] >= t0), None)
+        last = next((s for s in reversed(self.stats) if s[0] <= t1), None)
+        if first is None or last is None or last[0] <= first[0]:
+            return None
+        return first, last
+
+
+def _model(reply: P.StatsReply, name: str) -> P.ModelStats | None:
+    return next((m for w in reply.workers for m in w.models if m.name == name), None)
+
+
+def stage_figures(before: P.StatsReply, after: P.StatsReply, model: str, seconds: float) -> Figures:
+    """Per-stage times between two stats snapshots (bucket counts subtracted), batches, event-timed busy."""
+    a, b = _model(after, model), _model(before, model)
+    if a is None or b is None:
+        return {"error": f"no stats for model {model!r}"}
+    out: Figures = {}
+    for stage, h in a.stages.items():
+        h0 = b.stages.get(stage)
+        d = P.StageHistogram(h.bounds_us, [x - y for x, y in zip(h.counts, h0.counts, strict=True)] if h0 else h.counts,
+                             h.count - (h0.count if h0 else 0), h.sum_us - (h0.sum_us if h0 else 0.0), h.max_us)
+        out[stage] = {"count": d.count, "mean_us": _round(mean(d)), "p50_us": _round(quantile(d, 0.5)),
+                      "p99_us": _round(quantile(d, 0.99))}
+    if "compute" in a.stages and b.stages.get("compute") is not None:
+        busy_us = a.stages["compute"].sum_us - b.stages["compute"].sum_us
+        out["compute_busy_pct"] = round(100 * busy_us / (seconds * 1e6), 1)  # streams overlap: may pass 100
+    batches = a.batches - b.batches
+    items = sum(int(k) * v for k, v in a.batch_items.items()) - sum(int(k) * v for k, v in b.batch_items.items())
+    out["batches"] = batches
+    out["mean_batch"] = round(items / batches, 2) if batches else None
+    out["seconds"] = round(seconds, 2)
+    return out
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)

