@@ -26,6 +26,7 @@ def _err(text: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from broker.notify import Notifier
     from broker.service import Broker
 
     cfg = config.load(args.config)
@@ -33,12 +34,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     proc.setup_logging(cfg.broker.log_level)
     stop = threading.Event()
     proc.stop_on_signals(stop)
+    notifier = Notifier.from_env()  # before any worker starts: they must not inherit NOTIFY_SOCKET
     try:
-        broker = Broker(cfg, Path(args.runtime_dir) if args.runtime_dir else None)
+        broker = Broker(cfg, Path(args.runtime_dir) if args.runtime_dir else None, notifier)
+        broker.serve(stop)
     except RuntimeError as exc:
         _err(str(exc))
         return 1
-    broker.serve(stop)
     return 0
 
 

@@ -46,6 +46,14 @@ class WorkerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 1000
 
 
+class MonitoringSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    http_port: Annotated[int, Meta(ge=0, le=65535)] = 0  # /health and /metrics; 0: no HTTP server
+    http_host: str = "127.0.0.1"
+    probe_interval_ms: Annotated[int, Meta(ge=0, le=3_600_000)] = 5000  # dummy inference per model; 0: none
+    probe_timeout_ms: Ms = 2000
+    ready_max_age_ms: Ms = 15_000  # /health/ready wants a passed probe at most this old
+
+
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     path: str
     engine: Literal["onnxruntime", "torch", "tensorrt"] = "onnxruntime"
@@ -66,6 +74,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     broker: BrokerSection = msgspec.field(default_factory=BrokerSection)
     sessions: SessionsSection = msgspec.field(default_factory=SessionsSection)
     worker: WorkerSection = msgspec.field(default_factory=WorkerSection)
+    monitoring: MonitoringSection = msgspec.field(default_factory=MonitoringSection)
     models: dict[str, ModelSection] = msgspec.field(default_factory=dict)
     source: str = ""  # the file it came from; model paths are relative to its folder
 
@@ -129,6 +138,10 @@ def _check(cfg: Config, source: str) -> None:
     for i, dev in enumerate(cfg.worker.devices):
         if not (dev == "cpu" or (isinstance(dev, int) and not isinstance(dev, bool) and dev >= 0)):
             raise ConfigError(f"{source}: key 'worker.devices[{i}]': expected \"cpu\" or a GPU index >= 0, got {dev!r}")
+    mon = cfg.monitoring
+    if mon.probe_interval_ms and mon.ready_max_age_ms < mon.probe_interval_ms + mon.probe_timeout_ms:
+        raise ConfigError(f"{source}: key 'monitoring.ready_max_age_ms': must be at least probe_interval_ms + "
+                          f"probe_timeout_ms ({mon.probe_interval_ms + mon.probe_timeout_ms}), or readiness flaps")
     if cfg.sessions.default_slots > cfg.sessions.max_slots:
         raise ConfigError(f"{source}: key 'sessions.default_slots': must not exceed sessions.max_slots")
     if cfg.broker.group:

@@ -280,6 +280,7 @@ class WorkerStats(msgspec.Struct):
     pid: int
     restarts: int
     models: list[ModelStats]
+    in_flight: int = 0  # requests accepted and not yet answered, over all models (slots the worker holds)
 
 
 class StatsReply(msgspec.Struct, frozen=True):

@@ -24,6 +24,8 @@ from broker import protocol as P
 from broker import ring, runtime
 from broker.config import Config
 from broker.health import health_reply
+from broker.notify import Notifier
+from broker.ops import Operations
 from broker.sessions import BrokerSession, Phase, SessionError, SessionTable
 from broker.supervisor import Supervisor, WorkerPhase, WorkerSlot
 
@@ -50,8 +52,9 @@ class StatsQuery:
 class Broker:
     """Invariant: a segment is unlinked only after every worker that mapped it detached or died."""
 
-    def __init__(self, cfg: Config, runtime_dir: Path | None = None) -> None:
+    def __init__(self, cfg: Config, runtime_dir: Path | None = None, notifier: Notifier | None = None) -> None:
         self.cfg = cfg
+        self._notifier = notifier
         self.runtime_dir = runtime_dir or runtime.resolve(cfg.broker.runtime_dir, server=True)
         runtime.prepare(self.runtime_dir, cfg.file_mode, cfg.group_id())
         self._lock = runtime.InstanceLock(self.runtime_dir)
@@ -93,7 +96,14 @@ class Broker:
 
     # -- the loop -------------------------------------------------------------------------------------------
     def serve(self, stop: threading.Event, on_ready: threading.Event | None = None) -> None:
-        """Run until ``stop`` is set; then shut down cleanly (workers stopped, segments and sockets removed)."""
+        """Run until ``stop`` is set; then shut down cleanly (workers stopped, segments and sockets removed).
+
+        ``broker.ops`` rides on each turn: systemd READY/WATCHDOG/STATUS, probes, the HTTP server."""
+        try:
+            ops = Operations(self.cfg, self.runtime_dir, self._notifier)
+        except OSError as exc:  # the health port is taken: nothing was started yet
+            self.close()
+            raise RuntimeError(str(exc)) from None
         self.supervisor.start_all()
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
@@ -113,9 +123,11 @@ class Broker:
                 if now - last_liveness >= self.cfg.broker.session_check_ms / 1e3:
                     last_liveness = now
                     self._reap_dead_clients()
+                ops.tick(now, lambda: health_reply(self.cfg, self.supervisor))
                 if on_ready is not None and self.all_ready():
                     on_ready.set()
         finally:
+            ops.stopping()
             self.close()
 
     def _drain(self, sock: zmq.Socket[bytes], handler: Callable[[bytes, msgspec.Struct], None]) -> None:
