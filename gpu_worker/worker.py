@@ -365,7 +365,7 @@ class Worker:
     def stats(self) -> P.WorkerStats:
         models = [m.runner.counters.snapshot(m.view.name, len(m.runner.batcher)) for m in self.models.values()]
         in_flight = sum(len(s.in_flight) for s in self.sessions.values())
-        return P.WorkerStats(self.worker_id, os.getpid(), self.restarts, models, in_flight)
+        return P.WorkerStats(self.worker_id, os.getpid(), self.restarts, models, in_flight, self.device)
 
     def _send_ctl(self, msg: msgspec.Struct) -> None:
         self._ctl.send_multipart(P.encode(msg))
