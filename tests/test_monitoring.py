@@ -21,9 +21,14 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
+from broker import protocol as P
 from broker.config import ConfigError, parse
+from broker.metrics import worker_families
 from gpu_worker.model_source import tiny_model_bytes
 from tests.conftest import REPO, TEST_MODELS, start_broker, write_config
 from tests.test_systemd import free_port
@@ -132,6 +137,10 @@ def test_metrics_count_every_request_and_status_reports_queue_and_throughput(tmp
         assert snap["models"]["tiny"]["throughput_rps"] > 0, snap
         assert isinstance(snap["models"]["nsfw"]["queue_depth"], int)
         assert [w["worker_id"] for w in snap["workers"]] == [0] and "queue_depth" in snap["workers"][0]
+        view = subprocess.run([sys.executable, "-m", "broker.cli", "status", "--count", "1", "--interval", "0.3"],
+                              env=env, cwd=REPO, capture_output=True, text=True, check=False, timeout=60)
+        assert view.returncode == 0, view.stderr
+        assert "nsfw" in view.stdout and "tiny" in view.stdout and "req/s" in view.stdout
     finally:
         stop.set()
         sent: dict[str, Counter[str]] = {"tiny": Counter(), "nsfw": Counter()}
@@ -184,3 +193,22 @@ def socket_bound() -> Iterator[int]:
         s.bind(("127.0.0.1", 0))
         s.listen()
         yield s.getsockname()[1]
+
+
+def test_stage_histograms_become_prometheus_histograms_in_seconds() -> None:
+    class One(Collector):
+        def collect(self) -> Iterator[Metric]:
+            stages = {"compute": P.StageHistogram([10.0, 100.0], [1, 2, 3], 6, 1500.0, 900.0)}
+            model = P.ModelStats("m", {"OK": 6}, 2, {"1": 1, "5": 1}, 0, stages)
+            yield from worker_families([P.WorkerStats(0, 1, 0, [model])])
+
+    registry = CollectorRegistry()
+    registry.register(One())
+    samples = {(s.name, s.labels.get("le", "")): s.value for f in
+               text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples
+               if s.labels.get("stage") == "compute" or s.name.startswith("shmbroker_batch_size")}
+    assert samples[("shmbroker_stage_duration_seconds_bucket", "1e-05")] == 1
+    assert samples[("shmbroker_stage_duration_seconds_bucket", "0.0001")] == 3
+    assert samples[("shmbroker_stage_duration_seconds_bucket", "+Inf")] == 6
+    assert samples[("shmbroker_stage_duration_seconds_sum", "")] == pytest.approx(1500e-6)
+    assert samples[("shmbroker_batch_size_bucket", "4.0")] == 1 and samples[("shmbroker_batch_size_sum", "")] == 6
