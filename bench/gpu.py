@@ -25,6 +25,7 @@ from broker import config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "gpu.toml"
 MODEL = "nsfw"
+PHASES = ("copies", "limit", "classic", "broker")
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", default=None, metavar="PATH", help="broker config (default bench/gpu.toml)")
     ap.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="each window (default 5)")
     ap.add_argument("--processes", type=int, default=16, help="client processes in (b) and (c) (default 16)")
-    ap.add_argument("--in-flight", type=int, default=8, help="requests each (c) client keeps in flight (default 8)")
+    ap.add_argument("--in-flight", type=int, default=9, help="requests each (c) client keeps in flight (default 9)")
     ap.add_argument("--log-dir", default=None, metavar="DIR", help="keep the broker's log there")
+    ap.add_argument("--only", default=",".join(PHASES), metavar="PHASES",
+                    help=f"comma-separated subset of {','.join(PHASES)} (tuning runs; targets then read n/a)")
 
 
 class GpuBench:
@@ -79,15 +82,19 @@ class GpuBench:
         return [{"index": i, "seed": 100 + i, "shape": [1, 224, 224, 3], "warmup_s": self.s.warmup_s,
                  "duration_s": self.s.duration_s, **extra} for i in range(self.s.processes)]
 
-    def run(self, workdir: Path) -> None:
-        self.phase("copies", "copy calls: one per request against one batched call",
-                   lambda: gpu_inprocess.copies(self.device, 224 * 224 * 3 * 4, 2 * 4))
-        self.phase("limit", "(a) in-process limit, CUDA graphs", lambda: gpu_inprocess.limit(
-            self.cfg, MODEL, self.device, 2 * self.s.duration_s, self.progress))
-        self.phase("classic", f"(b) classic synchronous server, {self.s.processes} client processes",
-                   lambda: self.classic(workdir))
-        self.phase("broker", f"(c) shmbroker, {self.s.processes} processes x {self.s.in_flight} batch-1 requests",
-                   lambda: self.broker(workdir))
+    def run(self, workdir: Path, only: set[str]) -> None:
+        if "copies" in only:
+            self.phase("copies", "copy calls: one per request against one batched call",
+                       lambda: gpu_inprocess.copies(self.device, 224 * 224 * 3 * 4, 2 * 4))
+        if "limit" in only:
+            self.phase("limit", "(a) in-process limit, CUDA graphs", lambda: gpu_inprocess.limit(
+                self.cfg, MODEL, self.device, 2 * self.s.duration_s, self.progress))
+        if "classic" in only:
+            self.phase("classic", f"(b) classic synchronous server, {self.s.processes} client processes",
+                       lambda: self.classic(workdir))
+        if "broker" in only:
+            self.phase("broker", f"(c) shmbroker, {self.s.processes} processes x {self.s.in_flight} batch-1 "
+                       "requests", lambda: self.broker(workdir))
 
     def _group(self, target: Target, specs: list[dict[str, Any]], sampler: gpu_load.Sampler) -> Figures:
         sampler.start()
@@ -155,7 +162,7 @@ def main(args: argparse.Namespace) -> int:
     bench.log_dir = Path(args.log_dir) if getattr(args, "log_dir", None) else None
     workdir = Path(tempfile.mkdtemp(prefix="shmbroker-bench-gpu-"))
     try:
-        bench.run(workdir)
+        bench.run(workdir, {p.strip() for p in getattr(args, "only", ",".join(PHASES)).split(",")})
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     doc["measurements"] = bench.measurements

@@ -9,8 +9,8 @@ from broker import protocol as P
 
 
 def _bounds() -> tuple[float, ...]:
-    """Upper bucket bounds in microseconds, 10 us to 10 s, six per decade (1, 1.5, 2, 3, 5, 7 x 10^k)."""
-    return (*(float(m * 10**k) for k in range(1, 7) for m in (1, 1.5, 2, 3, 5, 7)), 1e7)
+    """Upper bucket bounds in microseconds, 10 us to 10 s, ten per decade (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8)."""
+    return (*(float(m * 10**k) for k in range(1, 7) for m in (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8)), 1e7)
 
 
 BOUNDS_US = _bounds()

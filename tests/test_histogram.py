@@ -33,13 +33,13 @@ def test_counts_land_in_the_bucket_whose_upper_bound_holds_them() -> None:
 def test_quantile_and_mean_from_a_snapshot() -> None:
     h = Histogram()
     for _ in range(98):
-        h.add(120.0)  # the (100, 150] bucket
-    h.add(4000.0)
-    h.add(4100.0)  # the (3000, 5000] bucket
+        h.add(120.0)  # the (100, 125] bucket
+    h.add(4200.0)
+    h.add(4100.0)  # both in the (4000, 5000] bucket
     snap = h.snapshot()
-    assert quantile(snap, 0.5) == 150.0
-    assert quantile(snap, 0.99) == 4100.0  # a bucket's bound, capped by the largest value seen
-    assert mean(snap) == (98 * 120 + 8100) / 100
+    assert quantile(snap, 0.5) == 125.0
+    assert quantile(snap, 0.99) == 4200.0  # a bucket's bound, capped by the largest value seen
+    assert mean(snap) == (98 * 120 + 8300) / 100
     empty = Histogram().snapshot()
     assert quantile(empty, 0.5) is None and mean(empty) is None
 
