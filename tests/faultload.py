@@ -1,0 +1,157 @@
+"""Load generators for the reliability tests: spawned client processes that count every request's fate.
+
+Each process keeps ``in_flight`` requests outstanding with ``Client.submit``, checks every answer against
+ONNX Runtime run in the process itself, and at the end puts a ``Tally`` on the result queue. Every request
+submitted ends as exactly one of: ok (right result), wrong (a result that differs), failed with a code (a
+``ShmBrokerError``: its class name is counted), or hung (no outcome ``hung_after_s`` after it was sent).
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing as mp
+import time
+from dataclasses import dataclass, field
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Barrier, Event
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SPAWN = mp.get_context("spawn")
+RETRY_PAUSE_S = 0.02
+
+
+@dataclass
+class Tally:
+    submitted: int = 0
+    ok: int = 0
+    wrong: int = 0
+    hung: int = 0
+    failed: dict[str, int] = field(default_factory=dict)
+    ok_after_mark: int = 0  # successes completed after the parent set ``mark`` (e.g. once a worker is back)
+    latencies_us: list[float] = field(default_factory=list)  # of successful requests
+    offered_per_s: float = 0.0
+
+    @property
+    def failed_total(self) -> int:
+        return sum(self.failed.values())
+
+    def add(self, other: Tally) -> None:
+        self.submitted += other.submitted
+        self.ok += other.ok
+        self.wrong += other.wrong
+        self.hung += other.hung
+        self.ok_after_mark += other.ok_after_mark
+        self.latencies_us.extend(other.latencies_us)
+        self.offered_per_s += other.offered_per_s
+        for k, v in other.failed.items():
+            self.failed[k] = self.failed.get(k, 0) + v
+
+
+@dataclass
+class LoadSpec:
+    runtime_dir: Path
+    model: str = "tiny"
+    in_flight: int = 4
+    slots: int = 8
+    timeout_s: float | None = None  # None: the model's default
+    hung_after_s: float = 30.0
+    rate_per_s: float = 0.0  # 0: closed loop (a new request as soon as one finishes); else paced, open loop
+    seed: int = 0
+
+
+def _inputs(model: str, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shape = (1, 256) if model == "tiny" else (1, 224, 224, 3)
+    return [rng.standard_normal(shape, dtype=np.float32) for _ in range(8)]
+
+
+def run_load(spec: LoadSpec, stop: Event, started: Barrier, mark: Synchronized[float], out: Any) -> None:
+    """The body of one client process (spawned): run until ``stop``, then drain and report a Tally."""
+    from client import Client, ShmBrokerError
+    from tests.test_e2e import direct
+
+    xs = _inputs(spec.model, spec.seed)
+    refs = [direct(spec.model, x) for x in xs]
+    t = Tally()
+    pending: collections.deque[tuple[int, float, Any]] = collections.deque()
+
+    def settle(k: int, sent: float, fut: Any) -> None:
+        try:
+            exc = fut.exception(max(0.0, sent + spec.hung_after_s - time.monotonic()))
+        except TimeoutError:
+            t.hung += 1
+            return
+        if exc is not None:
+            name = type(exc).__name__ if isinstance(exc, ShmBrokerError) else f"unexpected:{type(exc).__name__}"
+            t.failed[name] = t.failed.get(name, 0) + 1
+            return
+        y = fut.result()
+        if np.allclose(y, refs[k], rtol=0, atol=1e-5):
+            t.ok += 1
+            t.latencies_us.append((time.monotonic() - sent) * 1e6)
+            if mark.value and time.time() > mark.value:
+                t.ok_after_mark += 1
+        else:
+            t.wrong += 1
+
+    with Client(spec.runtime_dir, slots=spec.slots) as c:
+        c.infer(spec.model, xs[0])
+        started.wait(120)
+        t0 = time.monotonic()
+        i = 0
+        while not stop.is_set():
+            if spec.rate_per_s:  # open loop: the offered rate does not bend to the server's speed
+                due = t0 + i / spec.rate_per_s
+                while pending and (len(pending) >= spec.in_flight or pending[0][2].done()):
+                    settle(*pending.popleft())
+                wait = due - time.monotonic()
+                if wait > 0:
+                    stop.wait(wait)
+            elif len(pending) >= spec.in_flight:
+                settle(*pending.popleft())
+                continue
+            k = i % len(xs)
+            i += 1
+            t.submitted += 1
+            sent = time.monotonic()
+            try:
+                pending.append((k, sent, c.submit(spec.model, xs[k], timeout=spec.timeout_s)))
+            except ShmBrokerError as exc:  # e.g. WorkerDied while no worker serves the model
+                t.failed[type(exc).__name__] = t.failed.get(type(exc).__name__, 0) + 1
+                stop.wait(RETRY_PAUSE_S)  # what an application does: retry soon, without spinning a core
+        t.offered_per_s = i / max(1e-9, time.monotonic() - t0)
+        while pending:
+            settle(*pending.popleft())
+    out.put(t)
+
+
+class LoadGroup:
+    """``n`` client processes started together; ``finish()`` stops them and returns the summed Tally."""
+
+    def __init__(self, specs: list[LoadSpec]) -> None:
+        self.stop = SPAWN.Event()
+        self.started = SPAWN.Barrier(len(specs) + 1)
+        self.mark: Synchronized[float] = SPAWN.Value("d", 0.0)
+        self.out: Any = SPAWN.Queue()
+        self.procs = [SPAWN.Process(target=run_load, args=(s, self.stop, self.started, self.mark, self.out),
+                                    daemon=True) for s in specs]
+        for p in self.procs:
+            p.start()
+        self.started.wait(180)  # every process connected and answered its first request
+
+    def finish(self, timeout: float = 120) -> Tally:
+        self.stop.set()
+        total = Tally()
+        for _ in self.procs:
+            total.add(self.out.get(timeout=timeout))
+        for p in self.procs:
+            p.join(timeout)
+        return total
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
