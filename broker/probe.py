@@ -97,7 +97,8 @@ class Prober:
                     try:
                         client = Client(self.runtime_dir, slots=2, max_items=1, connect_timeout=self.timeout_s,
                                         name="shmb-prober", spin_us=0)
-                    except (ShmBrokerError, OSError) as exc:
+                    except Exception as exc:  # noqa: BLE001 - any failure to open a session fails the probes
+                        log.warning("the prober could not open a session: %s: %s", type(exc).__name__, exc)
                         for m in self.models:
                             self._record(m, f"the prober could not open a session: {exc}")
                         self._stop.wait(RETRY_S)
