@@ -146,6 +146,7 @@ class Segment:
         self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = memoryview(self._mm)
         self.nbytes = size
+        self.fd = fd  # open until the mapping goes; the client's liveness lock lives on it (broker.liveness)
         self.address = _base_address(self._mm)  # for cudaHostRegister and DMA; valid until close()
         self._finalizer = weakref.finalize(self, _close_mapping, self._mm, fd)
 

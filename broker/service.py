@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-import psutil
 import zmq
 
+from broker import liveness, ring, runtime
 from broker import protocol as P
-from broker import ring, runtime
 from broker.config import Config
 from broker.health import health_reply
 from broker.notify import Notifier
@@ -202,6 +201,7 @@ class Broker:
                                                                          "is not a session in set-up"))
             return
         s.phase = Phase.ATTACHING
+        s.by_lock = liveness.lock_held(s.segment)  # a client that locks took the lock before ATTACHED
         s.deadline = time.monotonic() + self.cfg.broker.handshake_timeout_ms / 1e3
         for w in self.supervisor.ready_workers():
             self._attach(s, w)
@@ -248,8 +248,8 @@ class Broker:
 
     def _reap_dead_clients(self) -> None:
         for s in list(self.sessions.by_id.values()):
-            if s.phase is not Phase.CLOSING and not psutil.pid_exists(s.pid):
-                self._close_session(s, f"client pid {s.pid} is gone")
+            if s.phase is not Phase.CLOSING and not liveness.client_alive(s.segment, s.pid, s.by_lock):
+                self._close_session(s, "its client's lock was released" if s.by_lock else f"client pid {s.pid} is gone")
 
     def _health(self, identity: bytes, msg: P.Health) -> None:
         reply = health_reply(self.cfg, self.supervisor)

@@ -50,6 +50,7 @@ class BrokerSession:
     pending_attach: set[int] = field(default_factory=set)
     pending_detach: set[int] = field(default_factory=set)
     reply_endpoints: dict[int, str] = field(default_factory=dict)
+    by_lock: bool = False  # liveness by the client's segment lock (broker.liveness), else by its pid
 
     def setup(self, models: list[P.ModelInfo], timeout_ms: int) -> P.Setup:
         lay = self.segment.layout

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import zmq
 
+from broker import liveness, runtime
 from broker import protocol as P
-from broker import runtime
 from broker.ring import RingLayout, Segment, pack_offsets
 from client.errors import HandshakeError
 
@@ -160,6 +160,7 @@ def handshake(ctl: zmq.Socket[bytes], slots: int, max_items: int, name: str, tim
         ctl.send_multipart(P.encode(P.Bye(setup.session_id)))  # the broker may release the ring at once
         raise
     try:
+        liveness.hold(segment)  # before ATTACHED: from then on the broker knows this session lives by the lock
         ctl.send_multipart(P.encode(P.Attached(setup.session_id)))
         ready = _expect(_recv(ctl, until, "READY"), P.Ready)
     except BaseException:

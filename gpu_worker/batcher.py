@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -83,6 +84,15 @@ class Batcher(Generic[T]):
         """Remove and return every request whose deadline has passed."""
         with self._cond:
             return self._drop_expired(now)
+
+    def remove(self, match: Callable[[T], bool]) -> list[Queued[T]]:
+        """Remove and return the queued requests whose item ``match``es (a closing session's, say)."""
+        with self._cond:
+            gone = [e for e in self._q if match(e.item)]
+            if gone:
+                self._q = deque(e for e in self._q if not match(e.item))
+                self._items -= sum(e.items for e in gone)
+        return gone
 
     def next_deadline(self) -> float | None:
         with self._cond:

