@@ -32,6 +32,7 @@ class Tally:
     failed: dict[str, int] = field(default_factory=dict)
     ok_after_mark: int = 0  # successes completed after the parent set ``mark`` (e.g. once a worker is back)
     latencies_us: list[float] = field(default_factory=list)  # of successful requests
+    failed_latency_us: dict[str, list[float]] = field(default_factory=dict)  # per error class, from sending
     offered_per_s: float = 0.0
 
     @property
@@ -48,6 +49,8 @@ class Tally:
         self.offered_per_s += other.offered_per_s
         for k, v in other.failed.items():
             self.failed[k] = self.failed.get(k, 0) + v
+        for k, lat in other.failed_latency_us.items():
+            self.failed_latency_us.setdefault(k, []).extend(lat)
 
 
 @dataclass
@@ -77,8 +80,10 @@ def run_load(spec: LoadSpec, stop: Event, started: Barrier, mark: Synchronized[f
     refs = [direct(spec.model, x) for x in xs]
     t = Tally()
     pending: collections.deque[tuple[int, float, Any]] = collections.deque()
+    done_at: dict[int, float] = {}  # id(future) -> when it completed (set on the completing thread)
 
     def settle(k: int, sent: float, fut: Any) -> None:
+        """Wait for ``fut`` and count its fate; latencies run from sending to completion, not to this call."""
         try:
             exc = fut.exception(max(0.0, sent + spec.hung_after_s - time.monotonic()))
         except TimeoutError:
@@ -87,11 +92,12 @@ def run_load(spec: LoadSpec, stop: Event, started: Barrier, mark: Synchronized[f
         if exc is not None:
             name = type(exc).__name__ if isinstance(exc, ShmBrokerError) else f"unexpected:{type(exc).__name__}"
             t.failed[name] = t.failed.get(name, 0) + 1
+            t.failed_latency_us.setdefault(name, []).append((done_at.pop(id(fut), time.monotonic()) - sent) * 1e6)
             return
         y = fut.result()
         if np.allclose(y, refs[k], rtol=0, atol=1e-5):
             t.ok += 1
-            t.latencies_us.append((time.monotonic() - sent) * 1e6)
+            t.latencies_us.append((done_at.pop(id(fut), time.monotonic()) - sent) * 1e6)
             if mark.value and time.time() > mark.value:
                 t.ok_after_mark += 1
         else:
@@ -118,7 +124,9 @@ def run_load(spec: LoadSpec, stop: Event, started: Barrier, mark: Synchronized[f
             t.submitted += 1
             sent = time.monotonic()
             try:
-                pending.append((k, sent, c.submit(spec.model, xs[k], timeout=spec.timeout_s)))
+                fut = c.submit(spec.model, xs[k], timeout=spec.timeout_s)
+                fut.add_done_callback(lambda f: done_at.__setitem__(id(f), time.monotonic()))
+                pending.append((k, sent, fut))
             except ShmBrokerError as exc:  # e.g. WorkerDied while no worker serves the model
                 t.failed[type(exc).__name__] = t.failed.get(type(exc).__name__, 0) + 1
                 stop.wait(RETRY_PAUSE_S)  # what an application does: retry soon, without spinning a core
