@@ -188,7 +188,11 @@ class Broker:
             except SessionError as exc:
                 self._send(self.control, identity, P.ErrorReply(exc.code, str(exc)))
                 continue
-            except (OSError, ring.RingError) as exc:
+            except OSError as exc:  # strerror only: the text goes to a client and names no segment or path
+                self._send(self.control, identity, P.ErrorReply(
+                    "NO_SHM", f"cannot create the session's ring in {ring.SHM_DIR}: {exc.strerror}"))
+                continue
+            except ring.RingError as exc:
                 self._send(self.control, identity, P.ErrorReply("NO_SHM", str(exc)))
                 continue
             s.deadline = time.monotonic() + self.cfg.broker.handshake_timeout_ms / 1e3

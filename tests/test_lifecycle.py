@@ -85,6 +85,11 @@ def test_configured_group_gives_0660(tmp_path: Path) -> None:
             st = os.stat(_session_segment(c))
             assert stat.S_IMODE(st.st_mode) == 0o660
             assert st.st_gid == grp.getgrnam(group).gr_gid
+            socks = list(b.runtime_dir.glob("*.sock"))  # the broker's, the worker's and the session's replies
+            assert len(socks) >= 4
+            for sock in socks:
+                sst = os.stat(sock)
+                assert (stat.S_IMODE(sst.st_mode), sst.st_gid) == (0o660, st.st_gid), sock.name
             np.testing.assert_allclose(arr(c.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
     finally:
         assert b.stop() == 0
