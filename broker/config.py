@@ -38,6 +38,8 @@ class SessionsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_slots: Annotated[int, Meta(ge=1, le=4096)] = 1024
     default_max_items: Annotated[int, Meta(ge=1, le=4096)] = 1
     max_session_mib: Annotated[int, Meta(ge=1, le=1 << 20)] = 4096
+    # the broker refuses to start unless /dev/shm can hold this many default-size rings (broker.shm_space)
+    reserve_sessions: Annotated[int, Meta(ge=0, le=1 << 20)] = 1
 
 
 class WorkerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from broker import liveness, ring, runtime
+from broker import liveness, ring, runtime, shm_space
 from broker import protocol as P
 from broker.config import Config
 from broker.health import health_reply
@@ -69,6 +69,7 @@ class Broker:
         self.control = self._bind(runtime.CONTROL_SOCKET)
         self.workers_sock = self._bind(runtime.WORKERS_SOCKET)
         self._closed = False
+        self._fatal = ""  # a start-up check failed (e.g. /dev/shm too small): serve() stops and raises it
 
     def _janitor(self) -> None:
         """Remove what a dead broker left in this runtime dir and in /dev/shm (we hold the lock: it is dead)."""
@@ -109,7 +110,7 @@ class Broker:
         poller.register(self.workers_sock, zmq.POLLIN)
         last_liveness = time.monotonic()
         try:
-            while not stop.is_set():
+            while not stop.is_set() and not self._fatal:
                 events = dict(poller.poll(POLL_MS))  # (1)
                 if self.control in events:
                     self._drain(self.control, self._on_client)  # (2)
@@ -128,6 +129,8 @@ class Broker:
         finally:
             ops.stopping()
             self.close()
+        if self._fatal:
+            raise RuntimeError(self._fatal)
 
     def _drain(self, sock: zmq.Socket[bytes], handler: Callable[[bytes, msgspec.Struct], None]) -> None:
         for _ in range(1000):
@@ -313,6 +316,11 @@ class Broker:
             log.error("worker %d: %s %s", w.worker_id, msg.code, msg.message)
 
     def _worker_ready(self, w: WorkerSlot, msg: P.WorkerReady) -> None:
+        if not self.models:  # slot sizes are known now: can /dev/shm hold the configured rings?
+            self._fatal = shm_space.check(self.cfg, msg.models) or ""
+            if self._fatal:
+                log.error("%s", self._fatal)
+                return
         w.phase = WorkerPhase.READY
         w.endpoint = msg.endpoint
         w.models = msg.models
