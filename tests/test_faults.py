@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
-from client import Client
+from client import Client, RequestTimeout, WorkerDied
 from tests.conftest import REPO, RunningBroker, arr, start_broker
 from tests.faultload import SPAWN, LoadGroup, LoadSpec, Tally, hold_requests
 from tests.test_e2e import direct
@@ -44,6 +44,17 @@ def wait_for_new_worker(b: RunningBroker, old: int, limit: float = 30.0) -> floa
             return time.monotonic() - t0
         time.sleep(0.005)
     raise AssertionError(f"no new worker within {limit} s\n{b.log()}")
+
+
+def worker_gone(pid: int, limit: float) -> bool:
+    """The broker's worker is gone (reaped, or a zombie whose parent died) within ``limit`` seconds."""
+    try:
+        psutil.Process(pid).wait(limit)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.TimeoutExpired:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    return True
 
 
 def assert_accounted(t: Tally) -> None:
@@ -203,3 +214,50 @@ def test_client_in_another_pid_namespace(tiny_broker: RunningBroker, tmp_path: P
     finally:
         p.kill()
         p.wait(10)
+
+
+def test_broker_killed_then_restarted(tmp_path: Path) -> None:
+    """Item 3: SIGKILL the broker. Its worker exits at once (parent-death signal), answering what it held;
+    nothing hangs. A new broker on the same runtime directory removes what the dead one left, and nothing of
+    another live broker (its segments, its sockets, its session) is touched."""
+    for d in ("other", "dead"):
+        (tmp_path / d).mkdir()
+    other = start_broker(tmp_path / "other", "process", models=TINY)
+    b = start_broker(tmp_path / "dead", "process", models=TINY)
+    restarted = None
+    try:
+        with Client(other.runtime_dir) as bystander, Client(b.runtime_dir) as c:
+            c.infer("tiny", X)
+            (worker,) = b.worker_pids()
+            futs = [c.submit("tiny", X, timeout=30) for _ in range(6)]
+            os.kill(b.proc.pid, signal.SIGKILL)
+            b.proc.wait(10)
+            outcomes = [type(e).__name__ if (e := f.exception(40)) else "ok" for f in futs]
+            assert set(outcomes) <= {"ok", "WorkerDied"}, outcomes  # none hangs
+            assert worker_gone(worker, 10), "the worker outlived its broker"
+            with pytest.raises((RequestTimeout, WorkerDied)):  # no broker, no worker: fails by its deadline
+                c.infer("tiny", X, timeout=0.5)
+            left = b.segments()
+            assert (Path("/dev/shm") / c.segment.name).exists() and left  # nobody removed them yet
+            assert (b.runtime_dir / "broker.sock").exists()
+            mine = other.segments()
+            restarted = start_broker(tmp_path / "dead", "process", models=TINY)  # same runtime directory
+            assert "removed 1 segments left by a previous broker" in restarted.log()
+            assert not any((Path("/dev/shm") / n).exists() for n in left)
+            assert other.segments() == mine  # the live broker's segment is untouched
+            np.testing.assert_allclose(arr(bystander.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
+            with Client(restarted.runtime_dir) as fresh:
+                np.testing.assert_allclose(arr(fresh.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
+            # a second broker on a live broker's directory is refused and touches nothing
+            r = subprocess.run([sys.executable, "-m", "broker.cli", "serve", "--config",
+                                str(tmp_path / "other" / "broker.toml")], cwd=REPO, capture_output=True, text=True,
+                               env=dict(os.environ, SHMBROKER_RUNTIME_DIR=str(other.runtime_dir)), timeout=60,
+                               check=False)
+            assert r.returncode == 1 and "another broker already serves" in r.stderr, r.stderr
+            assert other.segments() == mine and (other.runtime_dir / "broker.sock").exists()
+            np.testing.assert_allclose(arr(bystander.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
+    finally:
+        for x in (restarted, other):
+            if x is not None:
+                assert x.stop() == 0, x.log()
+                assert not x.segments()
