@@ -4,13 +4,16 @@ Order: with the echo server and the bench's own broker both up, (1) echo and ``t
 concurrency 1, (2) echo and ``tiny`` throughput at 4 processes x 8 in flight, (3) ``nsfw`` throughput at
 4 processes x 4 in flight; then the broker is stopped with SIGTERM and /dev/shm checked; then (4) the
 in-process ONNX Runtime limit for ``nsfw``, with no broker running. Each ratio's two figures are measured
-back to back, so that they are taken under the same machine conditions. bench/README.md has the details.
+back to back, so that they are taken under the same machine conditions. ``--plot``/``--sweep-only`` add
+the concurrency sweep (bench/sweep.py) after the broker's phases (or instead of them), and the picture
+(bench/plot.py). bench/README.md has the details.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import shutil
@@ -25,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from bench import echo, inprocess, load, report
+from bench import echo, inprocess, load, plot, report, sweep
 from bench.broker_proc import BrokerProcess, counters_delta, model_counters
 from bench.common import BenchError, Figures, Progress
 from bench.procs import Target, run_group
@@ -50,14 +53,19 @@ class Settings:
     processes: int = PROCESSES
     tiny_in_flight: int = TINY_IN_FLIGHT
     nsfw_in_flight: int = NSFW_IN_FLIGHT
+    sweep: bool = False  # the concurrency sweep runs (--plot or --sweep-only)
+    sweep_only: bool = False  # and nothing else does
+    sweep_window_s: float = 2.0  # each sweep point's window
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Settings:
         quick = bool(args.quick)
         duration = args.duration if args.duration is not None else (2.0 if quick else 5.0)
         requests = args.requests if args.requests is not None else (2000 if quick else 5000)
+        window = args.sweep_window if args.sweep_window is not None else (1.0 if quick else 2.0)
         return cls(quick=quick, duration_s=duration, warmup_s=0.5 if quick else 1.0, latency_requests=requests,
-                   latency_warmup=max(100, requests // 10), inprocess_s=duration)
+                   latency_warmup=max(100, requests // 10), inprocess_s=duration,
+                   sweep=bool(args.plot or args.sweep_only), sweep_only=bool(args.sweep_only), sweep_window_s=window)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -71,6 +79,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="each throughput window (default 5, 2 with --quick)")
     ap.add_argument("--requests", type=int, default=None, metavar="N",
                     help="latency requests at concurrency 1 (default 5000, 2000 with --quick)")
+    ap.add_argument("--plot", default=None, metavar="FILE.png",
+                    help="also run the concurrency sweep and draw throughput against p50/p99 latency to FILE.png "
+                         "(needs the plot extra: pip install 'shmbroker[plot]')")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="run only the concurrency sweep (with --plot: the picture; the JSON/table have its figures)")
+    ap.add_argument("--sweep-window", type=float, default=None, metavar="SECONDS",
+                    help="each sweep point's window (default 2, 1 with --quick)")
     ap.add_argument("--gpu", action="store_true",
                     help="the GPU benchmark instead (bench/gpu.py; default config bench/gpu.toml; see bench/README.md)")
     ap.add_argument("--processes", type=int, default=16, help="--gpu: client processes (default 16)")
@@ -183,7 +198,10 @@ class Bench:
         try:
             with echo.EchoServer(workdir) as server, echo.EchoServer(workdir, with_tiny=True) as floor, broker:
                 self.progress.done(f"broker ready (instance {broker.instance}), echo server on {server.endpoint}")
-                self._broker_phases(broker, server.endpoint, floor.endpoint)
+                if not s.sweep_only:
+                    self._broker_phases(broker, server.endpoint, floor.endpoint)
+                if s.sweep:
+                    self._sweep_phases(broker)
         except BenchError as exc:
             self.failures.append(f"broker: {exc}")
             self.progress.note(f"FAILED: {exc}")
@@ -196,12 +214,12 @@ class Bench:
         self.progress.done(f"exit code {shutdown['exit_code']}, /dev/shm "
                            f"{'clean' if not shutdown['shm_leaked'] else 'LEAKED ' + str(shutdown['shm_leaked'])}")
         # after the broker is gone (idle machine), and right after the broker's nsfw phase (same conditions)
-        if NSFW in self.cfg.models:
+        if NSFW in self.cfg.models and not s.sweep_only:
             self.phase("nsfw_inprocess", f"nsfw in-process ONNX Runtime limit, batches {NSFW_BATCH_SIZES}, "
                        f"{s.inprocess_s:g} s each (broker stopped)", self.inprocess_nsfw,
                        lambda f: f"{f['items_per_s']:.2f} images/s at batch {f['best_batch']}")
             self._average_limits()
-        else:
+        elif not s.sweep_only:
             self.skip("nsfw_inprocess", f"the config has no model {NSFW!r}")
         return shutdown
 
@@ -261,6 +279,18 @@ class Bench:
         else:
             self.skip("nsfw_throughput", f"the config has no model {NSFW!r}")
 
+    def _sweep_phases(self, broker: BrokerProcess) -> None:
+        """One phase per model of ``sweep.PLANS`` (``<model>_sweep``); a model the config lacks is skipped."""
+        for plan in sweep.PLANS:
+            if plan.model not in self.cfg.models:
+                self.skip(f"{plan.model}_sweep", f"the config has no model {plan.model!r}")
+                continue
+            run = functools.partial(sweep.sweep, self.progress, str(broker.runtime_dir), plan,
+                                    self.s.sweep_window_s, broker.stats)
+            self.phase(f"{plan.model}_sweep", f"{plan.model} concurrency sweep via the broker, in flight "
+                       f"{list(plan.concurrencies)}, {self.s.sweep_window_s * plan.window_scale:g} s each", run,
+                       sweep.summary)
+
 
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -271,11 +301,30 @@ def _write(text: str, stream: Any) -> None:
     stream.flush()
 
 
+def _draw(doc: Figures, path: Path, bench: Bench, progress: Progress) -> None:
+    """The sweep's picture; its path goes into the document as ``plot`` (null, and a failure, if not drawn)."""
+    doc["plot"] = None
+    try:
+        plot.write(doc, path)
+    except BenchError as exc:
+        bench.failures.append(f"plot: {exc}")
+        progress.note(f"plot FAILED: {exc}")
+        return
+    doc["plot"] = str(path)
+    progress.note(f"wrote {path} ({path.stat().st_size:,} bytes)")
+
+
 def main(args: argparse.Namespace) -> int:
     if args.gpu:
         from bench.gpu import main as gpu_main
 
         return gpu_main(args)
+    if args.plot:
+        try:
+            plot.require()  # before minutes of measuring, not after
+        except BenchError as exc:
+            sys.stderr.write(f"shmbroker bench: {exc}\n")
+            return 2
     progress = Progress()
     cfg_path = Path(args.config).resolve() if args.config else config.DEFAULT_CONFIG
     cfg = config.load(cfg_path)  # a ConfigError is reported by the CLI (exit 2)
@@ -303,13 +352,15 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(workdir, ignore_errors=True)
     doc["measurements"] = bench.measurements
-    doc["ratios"] = report.ratios(bench.measurements)
-    doc["info_ratios"] = report.info_ratios(bench.measurements)
+    doc["ratios"] = {} if s.sweep_only else report.ratios(bench.measurements)
+    doc["info_ratios"] = {} if s.sweep_only else report.info_ratios(bench.measurements)
     doc["failures"] = bench.failures
     doc["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     doc["elapsed_s"] = round(progress.elapsed(), 1)
+    if args.plot:
+        _draw(doc, Path(args.plot), bench, progress)
     text = json.dumps(doc, indent=2) + "\n"
-    human = report.table(doc)
+    human = report.table(doc) + sweep.table(bench.measurements)
     if want_json and not args.out:
         _write(human, sys.stderr)
         _write(text, sys.stdout)
