@@ -177,3 +177,20 @@ def hold_requests(runtime_dir: Path, model: str, n: int, out: Any) -> None:
     for f in futs:  # never returns before the parent's SIGKILL: requests stay in flight until then
         f.exception()
     time.sleep(3600)
+
+
+def churn_sessions(runtime_dir: Path, stop: Event, out: Any) -> None:
+    """Open a session, run one request, close it; again until ``stop``. Puts (sessions, errors) on ``out``."""
+    from client import Client, ShmBrokerError
+
+    x = _inputs("tiny", 1)[0]
+    n = errors = 0
+    while not stop.is_set():
+        try:
+            with Client(runtime_dir, slots=2) as c:
+                c.infer("tiny", x)
+            n += 1
+        except ShmBrokerError:
+            errors += 1
+        stop.wait(0.2)
+    out.put((n, errors))
