@@ -51,7 +51,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", default=None, metavar="PATH", help="broker config (default bench/gpu.toml)")
     ap.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="each window (default 5)")
     ap.add_argument("--processes", type=int, default=16, help="client processes in (b) and (c) (default 16)")
-    ap.add_argument("--in-flight", type=int, default=9, help="requests each (c) client keeps in flight (default 9)")
+    ap.add_argument("--in-flight", type=int, default=8, help="requests each (c) client keeps in flight (default 8)")
     ap.add_argument("--log-dir", default=None, metavar="DIR", help="keep the broker's log there")
     ap.add_argument("--only", default=",".join(PHASES), metavar="PHASES",
                     help=f"comma-separated subset of {','.join(PHASES)} (tuning runs; targets then read n/a)")

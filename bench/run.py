@@ -89,7 +89,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gpu", action="store_true",
                     help="the GPU benchmark instead (bench/gpu.py; default config bench/gpu.toml; see bench/README.md)")
     ap.add_argument("--processes", type=int, default=16, help="--gpu: client processes (default 16)")
-    ap.add_argument("--in-flight", type=int, default=9, help="--gpu: requests each client keeps in flight (default 9)")
+    ap.add_argument("--in-flight", type=int, default=8, help="--gpu: requests each client keeps in flight (default 8)")
     ap.add_argument("--log-dir", default=None, metavar="DIR", help="--gpu: keep the broker's log there")
 
 
