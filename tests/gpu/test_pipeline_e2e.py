@@ -49,12 +49,17 @@ def gpu_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBrok
 
 
 def _requests(seed: int) -> list[np.ndarray]:
-    """Half photo-like images, half noise of varied contrast; 1..MAX_ROWS rows each."""
-    from tests.gpu.photos import noise, preprocessed
+    """A third real photographs (where scikit-image or scikit-learn carry them), a third photo-like drawings,
+    a third noise of varied contrast; 1..MAX_ROWS rows each."""
+    from tests.gpu.photos import noise, preprocessed, real_preprocessed
 
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, MAX_ROWS + 1, REQUESTS)
-    return [preprocessed(rng, int(n)) if i % 2 else noise(rng, int(n)) for i, n in enumerate(sizes)]
+    out = []
+    for i, n in enumerate(sizes):
+        real = real_preprocessed(rng, int(n)) if i % 3 == 0 else None
+        out.append(real if real is not None else preprocessed(rng, int(n)) if i % 3 == 1 else noise(rng, int(n)))
+    return out
 
 
 def _client(seed: int, runtime_dir: str, q: Any) -> None:
@@ -64,6 +69,7 @@ def _client(seed: int, runtime_dir: str, q: Any) -> None:
     from client import Client
     from client.client import Outputs
     from gpu_worker.model_source import resolve
+    from tests.gpu.photos import real_photos
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
@@ -91,7 +97,7 @@ def _client(seed: int, runtime_dir: str, q: Any) -> None:
             while pending:
                 worst = max(worst, check(*pending.pop(0)))
             errors[model] = worst
-    q.put((seed, errors, wrong, _distinct_pairs(np.concatenate(want)[:, 1], TOL["nsfw32"])))
+    q.put((seed, errors, wrong, _distinct_pairs(np.concatenate(want)[:, 1], TOL["nsfw32"]), len(real_photos())))
 
 
 def _distinct_pairs(scores: np.ndarray, tol: float) -> float:
@@ -113,9 +119,9 @@ def test_eight_clients_get_their_own_results_in_fp32_and_fp16(gpu_broker: Runnin
         p.join(30)
         assert p.exitcode == 0
     assert sorted(r[0] for r in results) == list(range(CLIENTS))
-    for seed, errors, wrong, distinct in results:
+    for seed, errors, wrong, distinct, n_real in results:
         print(f"client {seed}: max abs fp32 {errors['nsfw32']:.2e}, fp16 {errors['nsfw16']:.2e}; "
-              f"{distinct:.1%} of row pairs tell a mix-up at the fp32 tolerance")
+              f"{distinct:.1%} of row pairs tell a mix-up at the fp32 tolerance; {n_real} real photographs")
         assert not wrong, wrong
         assert distinct > 0.9, f"client {seed}: inputs too alike to detect a mix-up"
     stats = {m.name: m for w in gpu_broker.stats().workers for m in w.models}
