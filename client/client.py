@@ -1,8 +1,9 @@
 """The synchronous client: ``Client().infer(model, inputs)`` and ``submit`` returning a Future.
 
 Threads: callers write their slot and send the SUBMIT themselves (coalesced under a per-worker lock);
-one IO thread receives DONEs and broker notices and completes the futures. Slots are the flow control:
-at most ``slots`` requests are in flight, and a caller waits for a free slot.
+one IO thread receives broker notices, and DONEs unless a caller waiting in ``infer()`` receives them
+(client.lead, client.receiving). Slots are the flow control: at most ``slots`` requests are in flight,
+and a caller waits for a free slot.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -38,8 +38,9 @@ from client.errors import (
     from_status,
 )
 from client.lead import ReceiveRole
+from client.receiving import Pending, Receiving
 from client.request import Request
-from client.session import GRACE_S, Link, ModelPlan, RowsLayout, control_socket, handshake
+from client.session import GRACE_S, Link, ModelPlan, control_socket, handshake
 
 log = logging.getLogger(__name__)
 
@@ -60,21 +61,9 @@ _FORKS = [0]  # bumped in a forked child, so the per-request fork check needs no
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
-DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
-POLLIN = int(zmq.POLLIN)  # how long past its deadline a request may stay unanswered before the client gives up
 
 
-@dataclass(slots=True)
-class _Pending:
-    request_id: int
-    generation: int
-    plan: ModelPlan
-    worker_id: int
-    on_done: Callable[[P.Result | ShmBrokerError], None]  # frees the slot, unless a zero-copy Request holds it
-    layout: RowsLayout
-
-
-class Client:
+class Client(Receiving):
     """One session with the broker: a ring of slots, links to the workers, an IO thread."""
 
     def __init__(
@@ -99,7 +88,7 @@ class Client:
         self._links: dict[int, Link] = {}
         self._links_lock = threading.Lock()
         self._links_changed = True  # the IO thread rebuilds its poller
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._free: list[int] = list(range(hs.setup.n_slots - 1, -1, -1))
         self._gens = [0] * hs.setup.n_slots
         self._slot_cond = threading.Condition()
@@ -323,7 +312,7 @@ class Client:
         self.segment.publish_slot(slot, SlotState.SUBMITTED, gen, rid, 0)
         timeout_us = 0 if timeout is None else max(1, int(timeout * 1e6))
         lay = plan.layout(rows)
-        self._pending[slot] = _Pending(rid, gen, plan, link.worker_id, on_done, lay)
+        self._pending[slot] = Pending(rid, gen, plan, link.worker_id, on_done, lay)
         link.outstanding += 1
         link.queue.append((rid, slot, gen, plan.info.model_id, len(lay.in_offsets), timeout_us, lay.in_descs))
         if not getattr(self._cork, "on", False):
@@ -409,171 +398,3 @@ class Client:
             callback(value, error)
         except Exception:  # a user's callback must not stop the IO thread that serves every request
             log.exception("a submit callback raised; the client goes on")
-
-    def _io_loop(self) -> None:
-        """(1) poll, (2) DONEs from workers, unless a caller receives them, (3) broker notices, (4) links up."""
-        pollers: tuple[zmq.Poller, zmq.Poller] | None = None
-        links: tuple[Link, ...] = ()
-        try:
-            while not self._stop.is_set():
-                if pollers is None or self._links_changed:
-                    pollers, links = self._make_pollers()
-                if self._role.io_may_receive():
-                    try:
-                        events = dict(pollers[0].poll(100))  # (1)
-                        for link in links:
-                            if link.pull in events:
-                                self._drain_done(link)  # (2)
-                    finally:
-                        self._role.lock.release()
-                else:  # a caller waiting in infer() holds the reply sockets
-                    events = dict(pollers[1].poll(100))
-                for link in links:
-                    if link.monitor in events and link.handshake_done():  # (4)
-                        self._links_changed = True
-                        with self._slot_cond:
-                            self._slot_cond.notify_all()
-                if self._ctl in events:
-                    self._drain_control()  # (3)
-                if self._wake_rx in events:
-                    with contextlib.suppress(zmq.Again):
-                        while True:
-                            self._wake_rx.recv(zmq.NOBLOCK)
-        except zmq.ContextTerminated:
-            return
-
-    def _make_pollers(self) -> tuple[tuple[zmq.Poller, zmq.Poller], tuple[Link, ...]]:
-        """(everything, everything but the reply sockets), and the links they cover."""
-        self._links_changed = False
-        links = self._snapshot_links()
-        full, control = zmq.Poller(), zmq.Poller()
-        for poller in (full, control):
-            poller.register(self._ctl, zmq.POLLIN)
-            poller.register(self._wake_rx, zmq.POLLIN)
-            for link in links:
-                if not link.up:
-                    poller.register(link.monitor, zmq.POLLIN)
-        for link in links:
-            full.register(link.pull, zmq.POLLIN)
-        return (full, control), links
-
-    def _drain_done(self, link: Link) -> None:
-        self._cork.on = True  # submits made by callbacks coalesce into one message per worker
-        try:
-            for _ in range(64):
-                if not int(link.pull.get(zmq.EVENTS)) & POLLIN:
-                    break
-                frames = link.pull.recv_multipart(zmq.NOBLOCK)
-                results = self._fast_done(frames)
-                if results is None:
-                    try:
-                        if P.read_envelope(frames) != P.MsgKind.DONE:
-                            raise P.ProtocolError("a reply socket carries only DONE")
-                        results = P.decode_done(frames[1]).results
-                    except P.ProtocolError as exc:
-                        log.error("malformed DONE from worker %d: %s", link.worker_id, exc)
-                        continue
-                for r in results:
-                    self._complete(link, r)
-        finally:
-            self._cork.on = False
-        self._flush_all()
-
-    def _fast_done(self, frames: list[bytes]) -> list[P.Result] | None:
-        """Results of a DONE whose every result is OK with the canonical output layout; else None."""
-        if len(frames) != 2 or frames[0] != DONE_ENVELOPE or len(frames[1]) < P.DONE_HEADER.size:
-            return None
-        body = frames[1]
-        _sid, n_res, n_t, text_len = P.DONE_HEADER.unpack_from(body)
-        t_base = P.DONE_HEADER.size + P.RESULT.size * n_res
-        if len(body) != t_base + P.TENSOR.size * n_t + text_len:
-            return None
-        out = []
-        for rid, slot, gen, status, first, count, _mo, _ml, _r in P.RESULT.iter_unpack(body[P.DONE_HEADER.size:t_base]):
-            p = self._pending.get(slot)
-            if status or p is None or p.request_id != rid or p.generation != gen or first > n_t or count > n_t - first:
-                return None
-            lay = p.layout
-            start = t_base + P.TENSOR.size * first
-            if body[start : start + P.TENSOR.size * count] != lay.out_desc_bytes:
-                return None
-            out.append(P.Result(rid, slot, gen, 0, lay.out_descs))
-        return out
-
-    def _complete(self, link: Link, r: P.Result | ShmBrokerError, slot: int | None = None) -> None:
-        slot = r.slot if isinstance(r, P.Result) else slot
-        if slot is None:
-            return
-        p = self._pending.get(slot)
-        if p is None or (isinstance(r, P.Result) and (p.request_id != r.request_id or p.generation != r.generation)):
-            log.debug("ignored a result for slot %s that is not in flight", slot)
-            return
-        del self._pending[slot]
-        link.outstanding -= 1
-        p.on_done(r)
-
-    def _drain_control(self) -> None:
-        while True:
-            try:
-                frames = self._ctl.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = P.decode(frames)
-            except P.ProtocolError as exc:
-                log.error("malformed message from the broker: %s", exc)
-                continue
-            if isinstance(msg, P.WorkerDown):
-                self._worker_down(msg.worker_id, msg.reason)
-            elif isinstance(msg, P.WorkerUp):
-                self._worker_up(msg.worker)
-
-    def _worker_down(self, worker_id: int, reason: str) -> None:
-        with self._links_lock:
-            link = self._links.pop(worker_id, None)
-        if link is None:
-            return
-        self._links_updated()
-        self._links_changed = True
-        err = f"worker {worker_id} died ({reason})"
-        with self._role.exclusive() as held:  # completions and the reply sockets belong to the receive role
-            if not held:
-                log.error("a completion callback held the receive role for 5 s; closing link %d anyway", worker_id)
-            link.close()
-            for slot, p in list(self._pending.items()):
-                if p.worker_id == worker_id:
-                    self._complete(link, WorkerDied(err), slot)
-        log.warning("%s", err)
-
-    def _worker_up(self, info: P.WorkerInfo) -> None:
-        self._worker_down(info.worker_id, "replaced")  # a link we still hold is to the dead predecessor
-        link = Link(self._ctx, info)
-        with self._links_lock:
-            self._links[info.worker_id] = link
-        self._links_updated()
-        self._links_changed = True
-
-    def _wait_links_up(self, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        for link in self._snapshot_links():
-            while not link.handshake_done():
-                left = end - time.monotonic()
-                if left <= 0 or not link.monitor.poll(int(left * 1000)):
-                    break
-
-    def _fail_all(self, why: str) -> None:
-        for link in self._snapshot_links():
-            for slot, p in list(self._pending.items()):
-                if p.worker_id == link.worker_id:
-                    self._complete(link, WorkerDied(why), slot)
-
-    def _wake(self) -> None:
-        with self._wake_lock, contextlib.suppress(zmq.ZMQError):
-            self._wake_tx.send(b"", zmq.NOBLOCK)
-
-    @staticmethod
-    def _shutdown(stop: threading.Event, io: threading.Thread, wake: Callable[[], None]) -> None:
-        stop.set()
-        wake()
-        if io is not threading.current_thread():
-            io.join(timeout=5)

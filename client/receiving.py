@@ -1,0 +1,236 @@
+"""The receiving side of a Client: the IO thread's loop, DONE decoding and completion, broker notices.
+
+Invariant: DONEs are received and requests completed only by the holder of the receive role
+(client.lead.ReceiveRole): the IO thread, or a caller waiting in ``infer()``. Links change only under
+``ReceiveRole.exclusive``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from broker import protocol as P
+from client.errors import ShmBrokerError, WorkerDied
+from client.lead import ReceiveRole
+from client.session import Link, ModelPlan, RowsLayout
+
+log = logging.getLogger(__name__)
+
+DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
+POLLIN = int(zmq.POLLIN)  # a plain int: the enum's __and__ costs microseconds on the hot path
+
+
+@dataclass(slots=True)
+class Pending:
+    """A request in flight, keyed by its slot in ``Client._pending``."""
+
+    request_id: int
+    generation: int
+    plan: ModelPlan
+    worker_id: int
+    on_done: Callable[[P.Result | ShmBrokerError], None]  # frees the slot, unless a zero-copy Request holds it
+    layout: RowsLayout
+
+
+class Receiving:
+    """Mixed into Client: everything that runs when an answer or a notice arrives."""
+
+    _stop: threading.Event
+    _ctx: zmq.Context[zmq.Socket[bytes]]
+    _ctl: zmq.Socket[bytes]
+    _wake_rx: zmq.Socket[bytes]
+    _wake_tx: zmq.Socket[bytes]
+    _wake_lock: threading.Lock
+    _role: ReceiveRole
+    _links: dict[int, Link]
+    _links_lock: threading.Lock
+    _links_changed: bool
+    _pending: dict[int, Pending]
+    _slot_cond: threading.Condition
+    _cork: Any  # threading.local: ``on`` while callbacks' submits are held back to leave together
+    _io: threading.Thread
+
+    def _snapshot_links(self) -> tuple[Link, ...]:
+        raise NotImplementedError
+
+    def _links_updated(self) -> None:
+        raise NotImplementedError
+
+    def _flush_all(self) -> None:
+        raise NotImplementedError
+
+    def _io_loop(self) -> None:
+        """(1) poll, (2) DONEs from workers, unless a caller receives them, (3) broker notices, (4) links up."""
+        pollers: tuple[zmq.Poller, zmq.Poller] | None = None
+        links: tuple[Link, ...] = ()
+        try:
+            while not self._stop.is_set():
+                if pollers is None or self._links_changed:
+                    pollers, links = self._make_pollers()
+                if self._role.io_may_receive():
+                    try:
+                        events = dict(pollers[0].poll(100))  # (1)
+                        for link in links:
+                            if link.pull in events:
+                                self._drain_done(link)  # (2)
+                    finally:
+                        self._role.lock.release()
+                else:  # a caller waiting in infer() holds the reply sockets
+                    events = dict(pollers[1].poll(100))
+                for link in links:
+                    if link.monitor in events and link.handshake_done():  # (4)
+                        self._links_changed = True
+                        with self._slot_cond:
+                            self._slot_cond.notify_all()
+                if self._ctl in events:
+                    self._drain_control()  # (3)
+                if self._wake_rx in events:
+                    with contextlib.suppress(zmq.Again):
+                        while True:
+                            self._wake_rx.recv(zmq.NOBLOCK)
+        except zmq.ContextTerminated:
+            return
+
+    def _make_pollers(self) -> tuple[tuple[zmq.Poller, zmq.Poller], tuple[Link, ...]]:
+        """(everything, everything but the reply sockets), and the links they cover."""
+        self._links_changed = False
+        links = self._snapshot_links()
+        full, control = zmq.Poller(), zmq.Poller()
+        for poller in (full, control):
+            poller.register(self._ctl, zmq.POLLIN)
+            poller.register(self._wake_rx, zmq.POLLIN)
+            for link in links:
+                if not link.up:
+                    poller.register(link.monitor, zmq.POLLIN)
+        for link in links:
+            full.register(link.pull, zmq.POLLIN)
+        return (full, control), links
+
+    def _drain_done(self, link: Link) -> None:
+        self._cork.on = True  # submits made by callbacks coalesce into one message per worker
+        try:
+            for _ in range(64):
+                if not int(link.pull.get(zmq.EVENTS)) & POLLIN:
+                    break
+                frames = link.pull.recv_multipart(zmq.NOBLOCK)
+                results = self._fast_done(frames)
+                if results is None:
+                    try:
+                        if P.read_envelope(frames) != P.MsgKind.DONE:
+                            raise P.ProtocolError("a reply socket carries only DONE")
+                        results = P.decode_done(frames[1]).results
+                    except P.ProtocolError as exc:
+                        log.error("malformed DONE from worker %d: %s", link.worker_id, exc)
+                        continue
+                for r in results:
+                    self._complete(link, r)
+        finally:
+            self._cork.on = False
+        self._flush_all()
+
+    def _fast_done(self, frames: list[bytes]) -> list[P.Result] | None:
+        """Results of a DONE whose every result is OK with the canonical output layout; else None."""
+        if len(frames) != 2 or frames[0] != DONE_ENVELOPE or len(frames[1]) < P.DONE_HEADER.size:
+            return None
+        body = frames[1]
+        _sid, n_res, n_t, text_len = P.DONE_HEADER.unpack_from(body)
+        t_base = P.DONE_HEADER.size + P.RESULT.size * n_res
+        if len(body) != t_base + P.TENSOR.size * n_t + text_len:
+            return None
+        out = []
+        for rid, slot, gen, status, first, count, _mo, _ml, _r in P.RESULT.iter_unpack(body[P.DONE_HEADER.size:t_base]):
+            p = self._pending.get(slot)
+            if status or p is None or p.request_id != rid or p.generation != gen or first > n_t or count > n_t - first:
+                return None
+            lay = p.layout
+            start = t_base + P.TENSOR.size * first
+            if body[start : start + P.TENSOR.size * count] != lay.out_desc_bytes:
+                return None
+            out.append(P.Result(rid, slot, gen, 0, lay.out_descs))
+        return out
+
+    def _complete(self, link: Link, r: P.Result | ShmBrokerError, slot: int | None = None) -> None:
+        slot = r.slot if isinstance(r, P.Result) else slot
+        if slot is None:
+            return
+        p = self._pending.get(slot)
+        if p is None or (isinstance(r, P.Result) and (p.request_id != r.request_id or p.generation != r.generation)):
+            log.debug("ignored a result for slot %s that is not in flight", slot)
+            return
+        del self._pending[slot]
+        link.outstanding -= 1
+        p.on_done(r)
+
+    def _drain_control(self) -> None:
+        while True:
+            try:
+                frames = self._ctl.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = P.decode(frames)
+            except P.ProtocolError as exc:
+                log.error("malformed message from the broker: %s", exc)
+                continue
+            if isinstance(msg, P.WorkerDown):
+                self._worker_down(msg.worker_id, msg.reason)
+            elif isinstance(msg, P.WorkerUp):
+                self._worker_up(msg.worker)
+
+    def _worker_down(self, worker_id: int, reason: str) -> None:
+        with self._links_lock:
+            link = self._links.pop(worker_id, None)
+        if link is None:
+            return
+        self._links_updated()
+        self._links_changed = True
+        err = f"worker {worker_id} died ({reason})"
+        with self._role.exclusive() as held:  # completions and the reply sockets belong to the receive role
+            if not held:
+                log.error("a completion callback held the receive role for 5 s; closing link %d anyway", worker_id)
+            link.close()
+            for slot, p in list(self._pending.items()):
+                if p.worker_id == worker_id:
+                    self._complete(link, WorkerDied(err), slot)
+        log.warning("%s", err)
+
+    def _worker_up(self, info: P.WorkerInfo) -> None:
+        self._worker_down(info.worker_id, "replaced")  # a link we still hold is to the dead predecessor
+        link = Link(self._ctx, info)
+        with self._links_lock:
+            self._links[info.worker_id] = link
+        self._links_updated()
+        self._links_changed = True
+
+    def _wait_links_up(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        for link in self._snapshot_links():
+            while not link.handshake_done():
+                left = end - time.monotonic()
+                if left <= 0 or not link.monitor.poll(int(left * 1000)):
+                    break
+
+    def _fail_all(self, why: str) -> None:
+        for link in self._snapshot_links():
+            for slot, p in list(self._pending.items()):
+                if p.worker_id == link.worker_id:
+                    self._complete(link, WorkerDied(why), slot)
+
+    def _wake(self) -> None:
+        with self._wake_lock, contextlib.suppress(zmq.ZMQError):
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+
+    @staticmethod
+    def _shutdown(stop: threading.Event, io: threading.Thread, wake: Callable[[], None]) -> None:
+        stop.set()
+        wake()
+        if io is not threading.current_thread():
+            io.join(timeout=5)
