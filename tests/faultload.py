@@ -21,6 +21,7 @@ import numpy as np
 
 SPAWN = mp.get_context("spawn")
 RETRY_PAUSE_S = 0.02
+PACE_S = 0.002  # the open-loop sender's sleep step: fewer wake-ups than one per request
 
 
 @dataclass
@@ -109,14 +110,14 @@ def run_load(spec: LoadSpec, stop: Event, started: Barrier, mark: Synchronized[f
         t0 = time.monotonic()
         i = 0
         while not stop.is_set():
+            while pending and pending[0][2].done():
+                settle(*pending.popleft())
             if spec.rate_per_s:  # open loop: the offered rate does not bend to the server's speed
-                due = t0 + i / spec.rate_per_s
-                while pending and (len(pending) >= spec.in_flight or pending[0][2].done()):
-                    settle(*pending.popleft())
-                wait = due - time.monotonic()
-                if wait > 0:
-                    stop.wait(wait)
-            elif len(pending) >= spec.in_flight:
+                ahead = i - (time.monotonic() - t0) * spec.rate_per_s  # requests sent before they were due
+                if ahead >= 1:  # sleep in steps of a few ms and then send what fell due, as one burst
+                    stop.wait(min(PACE_S, ahead / spec.rate_per_s))
+                    continue
+            if len(pending) >= spec.in_flight:
                 settle(*pending.popleft())
                 continue
             k = i % len(xs)

@@ -7,6 +7,7 @@ none hangs and none gets another request's result.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,6 +181,13 @@ def test_client_killed_with_requests_in_flight(tmp_path: Path) -> None:
         assert not b.segments()
 
 
+def _can_unshare_pid() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not _can_unshare_pid(), reason="needs root and unshare(1) --pid")
 def test_client_in_another_pid_namespace(tiny_broker: RunningBroker, tmp_path: Path) -> None:
     """Item 2: a client whose pid means nothing to the broker (its own pid namespace, where it is pid 1) lives
     as long as its lock; a pid check would keep its session forever (pid 1 always exists)."""

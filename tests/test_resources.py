@@ -20,8 +20,17 @@ from broker.config import parse
 from broker.shm_space import check, free_bytes, ring_bytes
 from tests.conftest import REPO, TEST_MODELS, write_config
 
-can_unshare = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                                 reason="needs root and unshare(1) for a private /dev/shm")
+
+def _can_mount_tmpfs() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True, check=False)
+    return probe.returncode == 0
+
+
+can_unshare = pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs root, unshare(1) and mount rights for a "
+                                 "private /dev/shm")
 SMALL_SHM = "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$@\""
 TINY = P.ModelInfo(0, "tiny", 16, [P.TensorSpec("x", "float32", [-1, 256])], [P.TensorSpec("y", "float32", [-1, 256])],
                    2000)

@@ -25,6 +25,7 @@ from tests.test_faults import TINY, assert_accounted
 SOAK_S = float(os.environ.get("SHMB_SOAK_S", "600"))
 WARMUP_S = 60.0  # RSS settles (allocator arenas, caches) before the baseline sample
 PROCS = 4
+FDS_PER_SESSION = 16  # descriptors one session holds in the broker and the worker, with room to spare
 
 
 def usage(pids: list[int]) -> tuple[int, int]:
@@ -68,7 +69,9 @@ def test_soak_at_80_percent(tmp_path: Path) -> None:
         assert t.failed_total <= 0.001 * t.submitted, t.failed
         assert churn_errors == 0 and sessions > 0
         assert growth < 0.05, f"RSS grew {100 * growth:.1f} %"
-        assert max(s[2] for s in samples if s[0] >= base[0]) - base[2] <= 8 and fds_end <= base[2] + 8
+        # flat: a sample may catch the churner's session open (its segment, sockets and connections)
+        assert max(s[2] for s in samples if s[0] >= base[0]) - base[2] <= FDS_PER_SESSION
+        assert fds_end - base[2] <= FDS_PER_SESSION
         assert max(s[3] for s in samples) <= PROCS + 1  # the load's sessions and the churner's one
     finally:
         assert b.stop() == 0, b.log()
