@@ -153,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--model", default="nsfw")
     i.add_argument("images", nargs="+")
     i.set_defaults(fn=cmd_infer)
+    from frontend import main as http_main
+
+    w = sub.add_parser("http", help="the KServe v2 / Triton HTTP front-end: N processes on one port")
+    http_main.add_arguments(w)
+    w.set_defaults(fn=http_main.command)
     b = sub.add_parser("bench", help="measure the broker against raw ZeroMQ and in-process limits")
     from bench.run import add_arguments
 

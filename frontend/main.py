@@ -1,0 +1,150 @@
+"""``shmbroker http``: start N front-end processes (frontend/server.py) on one port and keep them running.
+
+This process only supervises. It binds the port first with SO_REUSEPORT and keeps that socket (bound,
+never listening, so it takes no connections): the port is then fixed before any child starts (``--port 0``
+picks a free one), and no other user's process can take it between restarts. Each child binds the same
+port with SO_REUSEPORT and the kernel spreads new connections over the listening ones. A child that exits
+is restarted after a pause; SIGTERM or SIGINT stops them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from broker import proc
+from frontend.settings import Settings
+
+log = logging.getLogger(__name__)
+READY_TIMEOUT_S = 120.0  # a child's session handshake is retried until the broker answers
+RESTART_PAUSE_S = 1.0
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A bound SO_REUSEPORT socket holding ``host:port`` (port 0: a free one) for the children to share."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+class Frontends:
+    """N front-end processes on one port."""
+
+    def __init__(self, settings: Settings, workers: int, log_level: str = "INFO") -> None:
+        if workers < 1:
+            raise ValueError(f"--workers: expected at least 1, got {workers}")
+        self._held = reserve_port(settings.host, settings.port)
+        self.settings = replace(settings, port=self._held.getsockname()[1])
+        self.workers = workers
+        self.log_level = log_level
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[tuple[BaseProcess, Connection]] = []
+
+    @property
+    def port(self) -> int:
+        return self.settings.port
+
+    def _start(self) -> tuple[BaseProcess, Connection]:
+        from frontend import server  # aiohttp and the client load in the children, not in `shmbroker ...`
+
+        rx, tx = self._ctx.Pipe(duplex=False)
+        p = self._ctx.Process(target=server.run, args=(self.settings, tx, self.log_level), name="shmb-http")
+        p.start()
+        tx.close()
+        return p, rx
+
+    def _await_ready(self, stop: threading.Event) -> bool:
+        pending = {rx: p for p, rx in self._procs}
+        deadline = READY_TIMEOUT_S
+        while pending and not stop.is_set() and deadline > 0:
+            for obj in wait([*pending, *(p.sentinel for p in pending.values())], timeout=0.5):
+                if isinstance(obj, Connection) and obj in pending:
+                    try:
+                        obj.recv()
+                    except EOFError:
+                        log.error("a front-end process exited before it was ready; see its log above")
+                        return False
+                    pending.pop(obj)
+            deadline -= 0.5
+        return not pending
+
+    def run(self, stop: threading.Event, on_ready: Callable[[Frontends], None]) -> int:
+        """Start the children, call ``on_ready`` once every one answers, supervise until ``stop``."""
+        self._procs = [self._start() for _ in range(self.workers)]
+        try:
+            if not self._await_ready(stop):
+                return 0 if stop.is_set() else 1
+            on_ready(self)
+            while not stop.is_set():
+                # the sentinels wake us when a child exits; the timeout only bounds how late stop is seen
+                wait([p.sentinel for p, _ in self._procs], timeout=0.5)
+                for i, (p, rx) in enumerate(self._procs):
+                    if p.exitcode is not None and not stop.is_set():
+                        log.error("front-end process %d exited with %s; restarting it", p.pid, p.exitcode)
+                        rx.close()
+                        stop.wait(RESTART_PAUSE_S)
+                        self._procs[i] = self._start()
+            return 0
+        finally:
+            self._stop_all()
+
+    def _stop_all(self) -> None:
+        for p, _ in self._procs:
+            if p.exitcode is None:
+                p.terminate()  # SIGTERM: the child closes its session (BYE) and its listening socket
+        for p, rx in self._procs:
+            p.join(15)
+            if p.exitcode is None:
+                log.warning("front-end process %d ignored SIGTERM; killing it", p.pid)
+                p.kill()
+                p.join(5)
+            rx.close()
+        self._held.close()
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--workers", type=int, default=2, help="front-end processes sharing the port (default 2)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: a free one, printed)")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="ring slots per process, i.e. its requests in flight (default: the broker's default_slots)")
+    ap.add_argument("--max-items", type=int, default=0,
+                    help="rows per request (default: the broker's default_max_items)")
+    ap.add_argument("--max-body-mib", type=int, default=64, help="largest request body (default 64 MiB)")
+    ap.add_argument("--log-level", default="INFO")
+
+
+def command(args: argparse.Namespace) -> int:
+    """``shmbroker http``: prints one line with the address once every process is ready, then serves."""
+    from broker import runtime
+
+    proc.name_process("shmb-http-main")
+    proc.setup_logging(args.log_level)
+    stop = threading.Event()
+    proc.stop_on_signals(stop)
+    rd = Path(args.runtime_dir) if args.runtime_dir else runtime.resolve()
+    settings = Settings(args.host, args.port, rd, args.slots, args.max_items, args.max_body_mib)
+    try:
+        fe = Frontends(settings, args.workers, args.log_level)
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"shmbroker: http: {exc}\n")
+        return 2
+
+    def ready(f: Frontends) -> None:
+        sys.stdout.write(f"shmbroker http: {f.workers} front-end processes ready on "
+                         f"http://{f.settings.host}:{f.port}\n")
+        sys.stdout.flush()
+
+    return fe.run(stop, ready)

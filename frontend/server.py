@@ -1,0 +1,222 @@
+"""One HTTP front-end process: the KServe v2 / Triton HTTP protocol on aiohttp and uvloop, answered from the rings.
+
+The process holds one ring session (``client.AsyncClient``): an infer request's tensors go from the HTTP
+body into a ring slot with one copy, the worker writes the outputs into the same slot, and the response is
+built from them. Several such processes listen on one port with SO_REUSEPORT (frontend/main.py starts
+them); the kernel spreads connections over them. Errors are ``{"error": "..."}`` with 400 (bad input),
+404 (unknown model or path), 503 (overloaded, not ready, worker died), 504 (timeout), 500 (anything else).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import msgspec
+import numpy as np
+from aiohttp import web
+
+from broker import proc
+from broker import protocol as P
+from broker.cli import ask_broker
+from client import AsyncClient, BadInput, Overloaded, RequestTimeout, ShmBrokerError, UnknownModel, WorkerDied
+from frontend import kserve
+from frontend.kserve import HttpError
+from frontend.settings import Settings
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+HEADER_LENGTH = "Inference-Header-Content-Length"
+PID_HEADER = "X-Shmbroker-Frontend-Pid"  # which front-end process answered (tests check that several share a port)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def status_of(exc: ShmBrokerError) -> int:
+    """The HTTP status of a ring client error."""
+    if isinstance(exc, BadInput):
+        return 400
+    if isinstance(exc, UnknownModel):
+        return 404
+    if isinstance(exc, Overloaded | WorkerDied):
+        return 503
+    if isinstance(exc, RequestTimeout):
+        return 504
+    return 500
+
+
+def _json(doc: object, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(doc), status=status, content_type="application/json")
+
+
+class Frontend:
+    """The routes of one front-end process over its ring session (None until the broker answered)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.client: AsyncClient | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_body_mib << 20, middlewares=[self._errors])
+        r = app.router
+        r.add_get("/v2", self.server_metadata)
+        r.add_get("/v2/health/live", self.live)
+        r.add_get("/v2/health/ready", self.ready)
+        for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            r.add_get(base, self.metadata)
+            r.add_get(base + "/ready", self.model_ready)
+            r.add_post(base + "/infer", self.infer)
+        app.on_response_prepare.append(self._stamp)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every failure as the protocol's error JSON, also aiohttp's own 404/405/413."""
+        try:
+            return await handler(request)
+        except HttpError as exc:
+            return _json({"error": exc.message}, exc.status)
+        except web.HTTPException as exc:
+            return _json({"error": exc.reason}, exc.status)
+        except Exception as exc:
+            log.exception("%s %s failed", request.method, request.path)
+            return _json({"error": f"internal error: {exc!r}"}, 500)
+
+    async def _stamp(self, _request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[PID_HEADER] = str(os.getpid())
+
+    def _client(self) -> AsyncClient:
+        if self.client is None:
+            raise HttpError(503, "not ready: no session with the broker yet")
+        return self.client
+
+    def _model(self, request: web.Request) -> P.ModelInfo:
+        name = request.match_info["model"]
+        version = request.match_info.get("version", "1")
+        plan = self._client().models.get(name)
+        if plan is None or version not in ("", "1"):
+            raise HttpError(404, f"model {name!r} version {version!r}: not served; models are "
+                                 f"{sorted(self._client().models)} (version 1)")
+        info: P.ModelInfo = plan.info
+        return info
+
+    async def _health(self) -> P.HealthReply:
+        loop = asyncio.get_running_loop()
+        reply = await loop.run_in_executor(None, ask_broker, self.settings.runtime_dir, P.Health(0), 2.0)
+        if not isinstance(reply, P.HealthReply):
+            raise HttpError(503, f"not ready: the broker on {self.settings.runtime_dir} does not answer")
+        return reply
+
+    async def server_metadata(self, _request: web.Request) -> web.Response:
+        return _json({"name": "shmbroker", "version": VERSION, "extensions": ["binary_tensor_data"]})
+
+    async def live(self, _request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def ready(self, _request: web.Request) -> web.Response:
+        self._client()
+        reply = await self._health()
+        if not reply.ready:
+            raise HttpError(503, f"not ready: {reply.reason}")
+        return web.Response(status=200)
+
+    async def metadata(self, request: web.Request) -> web.Response:
+        return _json(kserve.model_metadata(self._model(request)))
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        info = self._model(request)
+        reply = await self._health()
+        health = next((m for m in reply.models if m.name == info.name), None)
+        if health is None or not health.ready:
+            raise HttpError(503, f"model {info.name!r} not ready: {health.reason if health else 'unknown'}")
+        return web.Response(status=200)
+
+    async def infer(self, request: web.Request) -> web.Response:
+        info = self._model(request)
+        client = self._client()
+        body = await request.read()
+        req = kserve.parse_infer(body, request.headers.get(HEADER_LENGTH), info)
+        try:
+            out = await client.infer(info.name, req.inputs, req.timeout_s)
+        except ShmBrokerError as exc:
+            raise HttpError(status_of(exc), str(exc)) from None
+        outputs = out if isinstance(out, dict) else {info.outputs[0].name: out}
+        return self._response(info, req, outputs)
+
+    def _response(self, info: P.ModelInfo, req: kserve.InferRequest, outputs: dict[str, np.ndarray]) -> web.Response:
+        data, header_length = kserve.encode_response(info, req, outputs)
+        if header_length is None:
+            return web.Response(body=data, content_type="application/json")
+        return web.Response(body=data, content_type="application/octet-stream",
+                            headers={HEADER_LENGTH: str(header_length)})
+
+    async def connect(self, stop: asyncio.Event) -> None:
+        """Open the ring session, retrying until the broker answers (it may start after the front-end)."""
+        loop = asyncio.get_running_loop()
+        s = self.settings
+        while not stop.is_set():
+            try:
+                self.client = await loop.run_in_executor(None, lambda: AsyncClient(
+                    s.runtime_dir, slots=s.slots, max_items=s.max_items, connect_timeout=s.connect_timeout_s,
+                    name=f"http-{os.getpid()}"))
+                return
+            except ShmBrokerError as exc:
+                log.warning("no session with the broker on %s yet (%s); retrying", s.runtime_dir, exc)
+                # the handshake already waited connect_timeout_s; a short pause keeps a refusing broker calm
+                try:
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                except TimeoutError:
+                    continue
+
+
+async def serve(settings: Settings, ready: Connection | None = None) -> None:
+    """Serve until SIGTERM or SIGINT; sends ("ready", pid) on ``ready`` once the session and the port are up."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    fe = Frontend(settings)
+    runner = web.AppRunner(fe.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, reuse_port=True)
+    await site.start()
+    await fe.connect(stop)
+    if fe.client is not None:
+        log.info("front-end ready on %s:%d, models %s", settings.host, settings.port, sorted(fe.client.models))
+        if ready is not None:
+            ready.send(("ready", os.getpid()))
+        await stop.wait()
+    await runner.cleanup()
+    if fe.client is not None:
+        await fe.client.close()
+
+
+def run(settings: Settings, ready: Connection | None = None, log_level: str = "INFO") -> None:
+    """Process entry point (multiprocessing target): one front-end process on uvloop."""
+    import uvloop
+
+    proc.name_process("shmb-http")
+    proc.setup_logging(log_level)
+    proc.die_with_parent()
+    uvloop.run(serve(settings, ready))
+
+
+def _main_args(argv: list[str] | None = None) -> Settings:
+    import argparse
+
+    from broker import runtime
+
+    ap = argparse.ArgumentParser(description="one shmbroker HTTP front-end process (see `shmbroker http`)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--runtime-dir", default="")
+    args = ap.parse_args(argv)
+    return Settings(args.host, args.port, Path(args.runtime_dir) if args.runtime_dir else runtime.resolve())
+
+
+if __name__ == "__main__":
+    run(_main_args())

@@ -1,0 +1,17 @@
+"""The settings of one HTTP front-end process; a module of its own so that the CLI imports no server code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str
+    port: int
+    runtime_dir: Path
+    slots: int = 0  # ring slots of this process's session: its requests in flight (0: the broker's default)
+    max_items: int = 0  # rows per request (0: the broker's default; clamped to the largest max_batch)
+    max_body_mib: int = 64
+    connect_timeout_s: float = 10.0

@@ -1,0 +1,218 @@
+"""The HTTP front-end against a live broker, driven by the official Triton client (tritonclient[http]).
+
+Real processes: `shmbroker serve`, then `shmbroker http --workers 2` (two front-end processes on one port),
+then tritonclient and plain http.client requests over TCP.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import tritonclient.http as th
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import REPO, RunningBroker, start_broker
+from tests.test_e2e import direct
+
+
+@dataclass
+class Front:
+    host: str
+    port: int
+    proc: subprocess.Popen[str]
+    broker: RunningBroker
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def client(self, concurrency: int = 1) -> th.InferenceServerClient:
+        return th.InferenceServerClient(self.url, concurrency=concurrency, network_timeout=60.0)
+
+    def raw(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+            ) -> tuple[int, dict[str, str], bytes]:
+        """One request on a fresh connection: (status, headers, body)."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, dict(resp.getheaders()), resp.read()
+        finally:
+            conn.close()
+
+
+def start_frontend(b: RunningBroker, log_path: Path, workers: int = 2) -> Front:
+    """`shmbroker http --port 0`; returns once it printed its ready line (every process has its session)."""
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir), PYTHONUNBUFFERED="1")
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "http", "--workers", str(workers), "--port", "0",
+                                 "--slots", "32"], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=logf, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # blocks until ready, or EOF when it failed
+    m = re.search(r"(\d+) front-end processes ready on http://([\d.]+):(\d+)", line)
+    if m is None:
+        proc.kill()
+        raise AssertionError(f"no ready line, got {line!r}; log:\n{log_path.read_text()[-4000:]}")
+    assert int(m.group(1)) == workers
+    return Front(m.group(2), int(m.group(3)), proc, b, log_path)
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
+    tmp = tmp_path_factory.mktemp("http")
+    b = start_broker(tmp, "process")
+    try:
+        f = start_frontend(b, tmp / "http.log")
+    except BaseException:
+        b.stop()
+        raise
+    try:
+        yield f
+    finally:
+        f.proc.send_signal(signal.SIGTERM)
+        rc = f.proc.wait(60)
+        brc = b.stop()
+        assert rc == 0, f"shmbroker http exited {rc}\n{f.log_path.read_text()[-4000:]}"
+        assert brc == 0, b.log()
+        assert not b.segments()
+
+
+def _input(name: str, x: np.ndarray, binary: bool) -> th.InferInput:
+    i = th.InferInput(name, list(x.shape), "FP32")
+    i.set_data_from_numpy(x, binary_data=binary)
+    return i
+
+
+def test_server_live_ready_and_metadata(front: Front) -> None:
+    c = front.client()
+    assert c.is_server_live()
+    assert c.is_server_ready()
+    assert c.is_model_ready("nsfw") and c.is_model_ready("tiny")
+    assert not c.is_model_ready("nope")
+    assert c.get_server_metadata()["extensions"] == ["binary_tensor_data"]
+    meta = c.get_model_metadata("nsfw")
+    assert meta["name"] == "nsfw"
+    assert meta["inputs"] == [{"name": "input:0", "datatype": "FP32", "shape": [-1, 224, 224, 3]}]
+    assert meta["outputs"] == [{"name": "outputs", "datatype": "FP32", "shape": [-1, 2]}]
+    assert c.get_model_metadata("tiny")["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 256]}]
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_infer_matches_onnxruntime(front: Front, binary: bool) -> None:
+    c = front.client()
+    rng = np.random.default_rng(7)
+    for rows in (1, 3, 16):
+        x = rng.standard_normal((rows, 256), dtype=np.float32)
+        r = c.infer("tiny", [_input("x", x, binary)], request_id=f"r{rows}",
+                    outputs=[th.InferRequestedOutput("y", binary_data=binary)])
+        y = r.as_numpy("y")
+        assert y is not None and y.shape == (rows, 256) and y.dtype == np.float32
+        np.testing.assert_allclose(y, direct("tiny", x), rtol=0, atol=1e-5)
+        assert r.get_response()["id"] == f"r{rows}"
+        out = r.get_output("y")
+        assert out is not None and ("binary_data_size" in out.get("parameters", {})) == binary
+    for rows in (1, 4):
+        x = rng.random((rows, 224, 224, 3), dtype=np.float32)
+        r = c.infer("nsfw", [_input("input:0", x, binary)])  # no outputs named: all, binary (tritonclient's default)
+        scores = r.as_numpy("outputs")
+        assert scores is not None and scores.shape == (rows, 2)
+        np.testing.assert_allclose(scores, direct("nsfw", x), rtol=0, atol=1e-5)
+
+
+def test_binary_input_with_json_output_over_plain_http(front: Front) -> None:
+    """The binary extension byte by byte, as curl would send it: JSON header, then the tensor's bytes."""
+    x = np.arange(256, dtype=np.float32).reshape(1, 256) / 256
+    header = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256],
+                                     "parameters": {"binary_data_size": x.nbytes}}]}).encode()
+    status, headers, body = front.raw("POST", "/v2/models/tiny/infer", header + x.tobytes(),
+                                      {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 200, body
+    assert headers["Content-Type"].startswith("application/json")
+    doc = json.loads(body)
+    assert doc["model_name"] == "tiny" and doc["outputs"][0]["shape"] == [1, 256]
+    y = np.array(doc["outputs"][0]["data"], np.float32).reshape(1, 256)
+    np.testing.assert_allclose(y, direct("tiny", x), rtol=0, atol=1e-5)
+
+
+def _status_of(exc: InferenceServerException) -> int:
+    return int(str(exc.status()))
+
+
+def test_errors_carry_the_protocol_codes(front: Front) -> None:
+    c = front.client()
+    x = np.ones((1, 256), np.float32)
+    calls: list[tuple[Callable[[], object], int, str]] = [
+        (lambda: c.get_model_metadata("nope"), 404, "'nope'"),
+        (lambda: c.infer("nope", [_input("x", x, True)]), 404, "not served"),
+        (lambda: c.infer("tiny", [_input("x", np.ones((1, 255), np.float32), True)]), 400, "inputs[0].shape"),
+        (lambda: c.infer("tiny", [_input("z", x, True)]), 400, "inputs[0].name"),
+        (lambda: c.infer("tiny", [_input("x", np.ones((17, 256), np.float32), True)]), 400, "rows"),
+        (lambda: c.infer("tiny", [_input("x", x, True)], timeout=1), 504, "TIMEOUT"),  # 1 us: expires in the queue
+    ]
+    for call, want, text in calls:
+        with pytest.raises(InferenceServerException) as ei:
+            call()
+        assert _status_of(ei.value) == want, ei.value.message()
+        assert text in str(ei.value.message())
+
+
+def test_bad_bodies_are_400_with_the_field_named(front: Front) -> None:
+    x = np.ones((1, 256), np.float32)
+    binary = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256],
+                                     "parameters": {"binary_data_size": 1024}}]}).encode()
+    wrong_type = {"inputs": [{"name": "x", "datatype": "INT64", "shape": [1, 256], "data": [0] * 256}]}
+    short_data = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256], "data": [1.0, 2.0]}]}
+    for body, header_length, field in [
+        (b"{not json", None, "request body"),
+        (json.dumps(wrong_type).encode(), None, "inputs[0].datatype"),
+        (json.dumps(short_data).encode(), None, "inputs[0].data"),
+        (binary + x.tobytes()[:1000], len(binary), "inputs[0].parameters.binary_data_size"),
+        (binary + x.tobytes(), len(binary) + 2000, "Inference-Header-Content-Length"),
+    ]:
+        headers = {} if header_length is None else {"Inference-Header-Content-Length": str(header_length)}
+        status, _h, resp = front.raw("POST", "/v2/models/tiny/infer", body, headers)
+        assert status == 400, resp
+        assert field in json.loads(resp)["error"]
+    status, _h, resp = front.raw("GET", "/v2/nothing/here")
+    assert status == 404 and "error" in json.loads(resp)
+
+
+def test_overload_is_503_and_the_rest_succeed(front: Front) -> None:
+    """24 nsfw requests at once against a queue of 3 (max_queue_size in the test config): some are refused."""
+    c = front.client(concurrency=24)
+    x = np.random.default_rng(3).random((1, 224, 224, 3), dtype=np.float32)
+    handles = [c.async_infer("nsfw", [_input("input:0", x, True)]) for _ in range(24)]
+    statuses: list[int] = []
+    for h in handles:
+        try:
+            scores = h.get_result().as_numpy("outputs")
+            np.testing.assert_allclose(scores, direct("nsfw", x), rtol=0, atol=1e-5)
+            statuses.append(200)
+        except InferenceServerException as exc:
+            assert "OVERLOADED" in exc.message(), exc.message()
+            statuses.append(_status_of(exc))
+    c.close()
+    assert set(statuses) == {200, 503}, statuses
+
+
+def test_two_processes_share_the_port(front: Front) -> None:
+    children = {p.pid for p in psutil.Process(front.proc.pid).children()}
+    answered = set()
+    for _ in range(64):  # each fresh connection is placed by the kernel's SO_REUSEPORT hash
+        status, headers, _body = front.raw("GET", "/v2/health/live")
+        assert status == 200
+        answered.add(int(headers["X-Shmbroker-Frontend-Pid"]))
+    assert len(answered) == 2 and answered <= children, (answered, children)
