@@ -86,6 +86,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="run only the concurrency sweep (with --plot: the picture; the JSON/table have its figures)")
     ap.add_argument("--sweep-window", type=float, default=None, metavar="SECONDS",
                     help="each sweep point's window (default 2, 1 with --quick)")
+    ap.add_argument("--http", action="store_true",
+                    help="the HTTP front-end against the ring client instead (bench/http_bench.py, bench/README.md)")
+    ap.add_argument("--http-workers", type=int, default=2, help="--http: front-end processes (default 2)")
     ap.add_argument("--gpu", action="store_true",
                     help="the GPU benchmark instead (bench/gpu.py; default config bench/gpu.toml; see bench/README.md)")
     ap.add_argument("--processes", type=int, default=16, help="--gpu: client processes (default 16)")
@@ -319,6 +322,10 @@ def main(args: argparse.Namespace) -> int:
         from bench.gpu import main as gpu_main
 
         return gpu_main(args)
+    if args.http:
+        from bench.http_bench import main as http_main
+
+        return http_main(args)
     if args.plot:
         try:
             plot.require()  # before minutes of measuring, not after

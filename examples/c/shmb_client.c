@@ -1,0 +1,331 @@
+/* shmb_client: a shmbroker client in C, written against docs/PROTOCOL.md alone.
+ *
+ *   shmb_client MODEL INPUT.f32      prints one line per row: the model's first output, "%.9g" each
+ *
+ * INPUT.f32 is raw little-endian float32, C order, whole rows of the model's first input (nsfw: N x 224 x
+ * 224 x 3). One session with one slot: HELLO -> SETUP -> map the segment (shm_open, mmap, flock LOCK_SH) ->
+ * ATTACHED -> READY -> link the worker (PULL + monitor, PUSH) -> write the slot (inputs, header, state word
+ * last) -> SUBMIT -> DONE -> read the outputs in place -> BYE. Exit status: 0 ok, 1 usage or local error,
+ * 2 the broker refused (ERROR), 3 the request failed (its status and text are printed to stderr).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "minijson.h"
+
+enum { HELLO = 1, SETUP = 2, ATTACHED = 3, READY = 4, BYE = 5, ERROR_KIND = 12, SUBMIT = 32, DONE = 33 };
+enum { SUBMITTED = 1 };
+#define HEADER_BYTES 4096u
+#define SLOT_HEADER_BYTES 256u
+#define WAIT_MS 30000
+
+typedef struct { uint32_t session_id, n_requests, n_tensors, flags; uint64_t token; } submit_hdr_t;
+typedef struct { uint64_t request_id; uint32_t slot, generation, model_id, first_tensor, n_tensors, timeout_us; } request_rec_t;
+typedef struct { uint16_t index; uint8_t dtype, ndim; uint32_t reserved; uint64_t offset, nbytes; int64_t dims[8]; } tensor_desc_t;
+typedef struct { uint32_t session_id, n_results, n_tensors, text_bytes; } done_hdr_t;
+typedef struct { uint64_t request_id; uint32_t slot, generation, status, first_tensor, n_tensors, msg_offset, msg_len, reserved; } result_rec_t;
+_Static_assert(sizeof(submit_hdr_t) == 24 && sizeof(request_rec_t) == 32 && sizeof(tensor_desc_t) == 88, "layout");
+_Static_assert(sizeof(done_hdr_t) == 16 && sizeof(result_rec_t) == 40 && offsetof(tensor_desc_t, dims) == 24, "layout");
+
+static void die(int code, const char *what) {
+    fprintf(stderr, "shmb_client: %s\n", what);
+    exit(code);
+}
+
+static uint64_t align_up(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
+
+/* §1.1: the runtime directory, as the Python client resolves it */
+static void runtime_dir(char *out, size_t cap) {
+    const char *env = getenv("SHMBROKER_RUNTIME_DIR"), *xdg = getenv("XDG_RUNTIME_DIR"), *tmp = getenv("TMPDIR");
+    struct stat st;
+    if (env && *env) snprintf(out, cap, "%s", env);
+    else if (stat("/run/shmbroker", &st) == 0 && S_ISDIR(st.st_mode) && access("/run/shmbroker", X_OK) == 0)
+        snprintf(out, cap, "/run/shmbroker");
+    else if (xdg && *xdg && stat(xdg, &st) == 0 && S_ISDIR(st.st_mode) && access(xdg, W_OK) == 0)
+        snprintf(out, cap, "%s/shmbroker", xdg);
+    else snprintf(out, cap, "%s/shmbroker-%u", tmp && *tmp ? tmp : "/tmp", (unsigned)getuid());
+}
+
+/* §2: every message is two frames, <u16 version, u16 kind> and the body */
+static void send2(void *sock, int kind, const void *body, size_t len) {
+    uint8_t env[4] = {1, 0, (uint8_t)kind, (uint8_t)(kind >> 8)};
+    if (zmq_send(sock, env, 4, ZMQ_SNDMORE) != 4 || zmq_send(sock, body, len, 0) != (int)len) die(1, "zmq_send failed");
+}
+
+/* Receive one two-frame message within WAIT_MS; returns its kind, the body in *body (zmq_msg owned by caller). */
+static int recv2(void *sock, zmq_msg_t *body) {
+    zmq_pollitem_t item = {sock, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&item, 1, WAIT_MS) <= 0) die(1, "no answer within 30 s (is `shmbroker serve` running?)");
+    zmq_msg_t env;
+    zmq_msg_init(&env);
+    zmq_msg_init(body);
+    if (zmq_msg_recv(&env, sock, 0) < 0 || !zmq_msg_more(&env) || zmq_msg_recv(body, sock, 0) < 0 || zmq_msg_more(body)
+        || zmq_msg_size(&env) != 4)
+        die(1, "malformed message: expected exactly 2 frames, the first 4 bytes");
+    const uint8_t *e = zmq_msg_data(&env);
+    int kind = e[2] | e[3] << 8;
+    if ((e[0] | e[1] << 8) != 1) die(1, "protocol version of the answer is not 1");
+    zmq_msg_close(&env);
+    return kind;
+}
+
+/* Parse a JSON control body; an ERROR body ends the program with its code and message. */
+static void parse_or_fail(js_doc *d, zmq_msg_t *body, int kind, int want) {
+    if (js_parse(d, zmq_msg_data(body), zmq_msg_size(body)) != 0) die(1, "unparsable JSON body");
+    if (kind == ERROR_KIND) {
+        fprintf(stderr, "shmb_client: broker refused: %s: %s\n", js_str(d, js_get(d, 0, "code")),
+                js_str(d, js_get(d, 0, "message")));
+        exit(2);
+    }
+    if (kind != want) die(1, "unexpected message kind during the handshake");
+}
+
+typedef struct {
+    uint32_t session_id, n_slots;
+    uint64_t bytes, stride, in_cap, out_cap, out_offset, token;
+    uint8_t *base;
+    int fd;
+} session_t;
+
+/* §3.1 step 3: check SETUP's layout, open and map the segment, verify its header, take the liveness lock */
+static void map_segment(session_t *s, const js_doc *d) {
+    s->session_id = (uint32_t)js_int(d, js_get(d, 0, "session_id"), 0);
+    s->n_slots = (uint32_t)js_int(d, js_get(d, 0, "n_slots"), 0);
+    s->bytes = (uint64_t)js_int(d, js_get(d, 0, "segment_bytes"), 0);
+    s->stride = (uint64_t)js_int(d, js_get(d, 0, "slot_stride"), 0);
+    s->in_cap = (uint64_t)js_int(d, js_get(d, 0, "in_capacity"), 0);
+    s->out_cap = (uint64_t)js_int(d, js_get(d, 0, "out_capacity"), 0);
+    s->out_offset = SLOT_HEADER_BYTES + align_up(s->in_cap, 256);
+    if (align_up(s->out_offset + s->out_cap, 4096) != s->stride || HEADER_BYTES + s->n_slots * s->stride != s->bytes)
+        die(1, "BAD_LAYOUT: SETUP's slot_stride or segment_bytes disagree with §4");
+    const char *seg = js_str(d, js_get(d, 0, "segment"));
+    if (strncmp(seg, "shmb-", 5) != 0 || strchr(seg, '/')) die(1, "SETUP.segment: expected shmb-... without '/'");
+    char name[256];
+    snprintf(name, sizeof name, "/%s", seg);
+    struct stat st;
+    s->fd = shm_open(name, O_RDWR, 0);
+    if (s->fd < 0 || fstat(s->fd, &st) != 0 || (uint64_t)st.st_size != s->bytes) die(1, "cannot open the segment");
+    s->base = mmap(NULL, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd, 0);
+    if (s->base == MAP_FAILED) die(1, "mmap of the segment failed");
+    uint32_t u32[4];
+    uint64_t u64[5];
+    memcpy(u32, s->base + 8, 16);  /* layout_version, header_bytes, session_id, n_slots */
+    memcpy(u64, s->base + 24, 40); /* slot_stride, slot_header_bytes, in_capacity, out_capacity, total_bytes */
+    if (memcmp(s->base, "SHMBRNG1", 8) || u32[0] != 1 || u32[1] != HEADER_BYTES || u32[2] != s->session_id
+        || u32[3] != s->n_slots || u64[0] != s->stride || u64[1] != SLOT_HEADER_BYTES || u64[2] != s->in_cap
+        || u64[3] != s->out_cap || u64[4] != s->bytes)
+        die(1, "the segment header does not match SETUP");
+    if (flock(s->fd, LOCK_SH) != 0) die(1, "flock(LOCK_SH) on the segment failed");
+}
+
+/* §3.1 step 6: PULL with a monitor (connected before the PULL connects), PUSH; wait for the handshake event */
+static void link_worker(void *ctx, const char *endpoint, const char *reply, void **push, void **pull) {
+    int zero = 0;
+    *pull = zmq_socket(ctx, ZMQ_PULL);
+    zmq_setsockopt(*pull, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(*pull, ZMQ_RCVHWM, &zero, sizeof zero);
+    if (zmq_socket_monitor(*pull, "inproc://mon-0", ZMQ_EVENT_HANDSHAKE_SUCCEEDED) != 0) die(1, "monitor failed");
+    void *mon = zmq_socket(ctx, ZMQ_PAIR);
+    zmq_connect(mon, "inproc://mon-0");
+    if (zmq_connect(*pull, reply) != 0) die(1, "connect to the reply endpoint failed");
+    *push = zmq_socket(ctx, ZMQ_PUSH);
+    zmq_setsockopt(*push, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(*push, ZMQ_SNDHWM, &zero, sizeof zero);
+    if (zmq_connect(*push, endpoint) != 0) die(1, "connect to the worker endpoint failed");
+    for (;;) {
+        zmq_msg_t ev;
+        zmq_pollitem_t item = {mon, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&item, 1, WAIT_MS) <= 0) die(1, "the reply connection did not come up");
+        zmq_msg_init(&ev);
+        zmq_msg_recv(&ev, mon, 0);
+        uint16_t event = 0;
+        if (zmq_msg_size(&ev) == 6) memcpy(&event, zmq_msg_data(&ev), 2);
+        int more = zmq_msg_more(&ev);
+        zmq_msg_close(&ev);
+        while (more) { /* frame 1: the endpoint */
+            zmq_msg_init(&ev);
+            zmq_msg_recv(&ev, mon, 0);
+            more = zmq_msg_more(&ev);
+            zmq_msg_close(&ev);
+        }
+        if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) break;
+    }
+    zmq_socket_monitor(*pull, NULL, 0);
+    zmq_close(mon);
+}
+
+static float *read_input(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) die(1, "cannot open the input file");
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    float *buf = malloc(n > 0 ? (size_t)n : 1);
+    if (!buf || n <= 0 || fread(buf, 1, (size_t)n, f) != (size_t)n) die(1, "cannot read the input file");
+    fclose(f);
+    *len = (size_t)n;
+    return buf;
+}
+
+/* The model's id and its first input's item shape (float32 only, one input) from SETUP.models */
+static uint32_t find_model(const js_doc *d, const char *model, int64_t *dims, uint8_t *ndim) {
+    int models = js_get(d, 0, "models");
+    for (int k = 0; js_at(d, models, k) >= 0; k++) {
+        int m = js_at(d, models, k);
+        if (strcmp(js_str(d, js_get(d, m, "name")), model) != 0) continue;
+        int inputs = js_get(d, m, "inputs");
+        int in0 = js_at(d, inputs, 0);
+        if (d->nodes[inputs].size != 1 || strcmp(js_str(d, js_get(d, in0, "dtype")), "float32") != 0)
+            die(1, "this example handles models with one float32 input");
+        int shape = js_get(d, in0, "shape");
+        *ndim = (uint8_t)d->nodes[shape].size;
+        for (int i = 0; i < *ndim && i < 8; i++) dims[i] = js_int(d, js_at(d, shape, i), 0);
+        return (uint32_t)js_int(d, js_get(d, m, "model_id"), 0);
+    }
+    die(1, "the broker does not serve that model");
+    return 0;
+}
+
+/* §5.2: find our result in a DONE, print the first output's rows; returns 1 when it was ours */
+static int handle_done(const session_t *s, zmq_msg_t *body) {
+    const uint8_t *b = zmq_msg_data(body);
+    size_t len = zmq_msg_size(body);
+    done_hdr_t h;
+    if (len < sizeof h) return 0;
+    memcpy(&h, b, sizeof h);
+    uint64_t text_at = 16 + 40 * (uint64_t)h.n_results + 88 * (uint64_t)h.n_tensors;
+    if (text_at + h.text_bytes != len) return 0;
+    for (uint32_t i = 0; i < h.n_results; i++) {
+        result_rec_t r;
+        memcpy(&r, b + 16 + 40 * (uint64_t)i, sizeof r);
+        if (r.slot != 0 || r.request_id != 1 || r.generation != 1) continue;
+        if (r.first_tensor > h.n_tensors || r.n_tensors > h.n_tensors - r.first_tensor
+            || r.msg_offset > h.text_bytes || r.msg_len > h.text_bytes - r.msg_offset)
+            die(1, "DONE: a result's spans do not fit the message");
+        if (r.status != 0) {
+            fprintf(stderr, "shmb_client: request failed, status %u: %.*s\n", r.status, (int)r.msg_len,
+                    (const char *)b + text_at + r.msg_offset);
+            exit(3);
+        }
+        for (uint32_t t = 0; t < r.n_tensors; t++) {
+            tensor_desc_t o;
+            memcpy(&o, b + 16 + 40 * (uint64_t)h.n_results + 88 * (uint64_t)(r.first_tensor + t), sizeof o);
+            if (o.index != 0) continue; /* the first output only */
+            if (o.dtype != 1 || o.ndim < 1 || o.offset > s->out_cap || o.nbytes > s->out_cap - o.offset)
+                die(1, "DONE: output 0 is not float32 or does not fit the output region");
+            /* read in place: slot 0's output region, at the descriptor's offset */
+            const float *y = (const float *)(s->base + HEADER_BYTES + s->out_offset + o.offset);
+            uint64_t per_row = o.dims[0] > 0 ? o.nbytes / 4 / (uint64_t)o.dims[0] : 0;
+            for (int64_t row = 0; row < o.dims[0]; row++)
+                for (uint64_t j = 0; j < per_row; j++)
+                    printf("%.9g%c", y[(uint64_t)row * per_row + j], j + 1 == per_row ? '\n' : ' ');
+        }
+        return 1;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3) die(1, "usage: shmb_client MODEL INPUT.f32");
+    size_t in_len;
+    float *x = read_input(argv[2], &in_len);
+    char dir[4096], addr[4200], json[256];
+    runtime_dir(dir, sizeof dir);
+    snprintf(addr, sizeof addr, "ipc://%s/broker.sock", dir);
+
+    void *ctx = zmq_ctx_new();
+    void *ctl = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 500;
+    zmq_setsockopt(ctl, ZMQ_LINGER, &linger, sizeof linger);
+    if (zmq_connect(ctl, addr) != 0) die(1, "cannot connect to broker.sock");
+
+    /* HELLO: the item size is not known before SETUP, so ask for a generous max_items (the broker clamps it
+     * to the largest max_batch) and check the rows against the grant below */
+    int n = snprintf(json, sizeof json, "{\"protocol\":1,\"pid\":%d,\"slots\":1,\"max_items\":1024,\"name\":\"c-example\"}",
+                     (int)getpid());
+    send2(ctl, HELLO, json, (size_t)n);
+    zmq_msg_t body;
+    js_doc setup, ready;
+    int kind = recv2(ctl, &body);
+    parse_or_fail(&setup, &body, kind, SETUP);
+    zmq_msg_close(&body);
+    session_t s = {0};
+    map_segment(&s, &setup);
+    int64_t dims[8] = {0};
+    uint8_t ndim = 0;
+    uint32_t model_id = find_model(&setup, argv[1], dims, &ndim);
+    uint64_t item = 4;
+    for (int i = 1; i < ndim; i++) item *= (uint64_t)dims[i];
+    if (in_len == 0 || in_len % item) die(1, "the input file is not whole rows of the model's input");
+    dims[0] = (int64_t)(in_len / item);
+    if ((uint64_t)dims[0] > (uint64_t)js_int(&setup, js_get(&setup, 0, "max_items"), 0) || in_len > s.in_cap)
+        die(1, "more rows than this session's max_items");
+
+    n = snprintf(json, sizeof json, "{\"session_id\":%u}", s.session_id);
+    send2(ctl, ATTACHED, json, (size_t)n);
+    kind = recv2(ctl, &body);
+    parse_or_fail(&ready, &body, kind, READY);
+    zmq_msg_close(&body);
+    s.token = js_uint(&ready, js_get(&ready, 0, "token"));
+    int workers = js_get(&ready, 0, "workers"), w = -1;
+    for (int k = 0; js_at(&ready, workers, k) >= 0 && w < 0; k++) {
+        int models = js_get(&ready, js_at(&ready, workers, k), "models");
+        for (int j = 0; js_at(&ready, models, j) >= 0; j++)
+            if (strcmp(js_str(&ready, js_at(&ready, models, j)), argv[1]) == 0) w = js_at(&ready, workers, k);
+    }
+    if (w < 0) die(1, "no worker in READY serves the model");
+    void *push, *pull;
+    link_worker(ctx, js_str(&ready, js_get(&ready, w, "endpoint")), js_str(&ready, js_get(&ready, w, "reply_endpoint")),
+                &push, &pull);
+
+    /* §4.3: inputs, then generation, request_id, status, and the state word last (release) */
+    uint8_t *slot = s.base + HEADER_BYTES;
+    memcpy(slot + SLOT_HEADER_BYTES, x, in_len);
+    uint32_t gen = 1, zero = 0;
+    uint64_t rid = 1;
+    memcpy(slot + 4, &gen, 4);
+    memcpy(slot + 8, &rid, 8);
+    memcpy(slot + 16, &zero, 4);
+    __atomic_store_n((uint32_t *)slot, SUBMITTED, __ATOMIC_RELEASE);
+
+    /* §5.1: one request, one tensor */
+    uint8_t msg[24 + 32 + 88];
+    submit_hdr_t sh = {s.session_id, 1, 1, 0, s.token};
+    request_rec_t rq = {rid, 0, gen, model_id, 0, 1, 0};
+    tensor_desc_t td = {0, 1, ndim, 0, 0, in_len, {0}};
+    memcpy(td.dims, dims, sizeof td.dims);
+    memcpy(msg, &sh, 24);
+    memcpy(msg + 24, &rq, 32);
+    memcpy(msg + 56, &td, 88);
+    send2(push, SUBMIT, msg, sizeof msg);
+
+    for (;;) {
+        kind = recv2(pull, &body);
+        int ours = kind == DONE && handle_done(&s, &body);
+        zmq_msg_close(&body);
+        if (ours) break;
+    }
+    n = snprintf(json, sizeof json, "{\"session_id\":%u}", s.session_id);
+    send2(ctl, BYE, json, (size_t)n);
+    zmq_close(push);
+    zmq_close(pull);
+    zmq_close(ctl); /* linger 500 ms lets BYE out */
+    zmq_ctx_term(ctx);
+    munmap(s.base, s.bytes);
+    close(s.fd); /* never shm_unlink: the broker does */
+    js_free(&setup);
+    js_free(&ready);
+    free(x);
+    return 0;
+}

@@ -1,0 +1,73 @@
+"""examples/c against a live broker: built with its Makefile, run as a separate process, its printed scores
+compared with the Python client's for the same input file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client import Client
+from tests.conftest import REPO, RunningBroker, start_broker
+
+EXAMPLE = REPO / "examples" / "c"
+
+
+def _have_libzmq() -> bool:
+    return shutil.which("cc") is not None and (
+        subprocess.run(["pkg-config", "--exists", "libzmq"], check=False).returncode == 0
+        if shutil.which("pkg-config") else Path("/usr/include/zmq.h").exists())
+
+
+pytestmark = pytest.mark.skipif(not _have_libzmq(), reason="needs a C compiler and libzmq3-dev (.ci/run installs them)")
+
+
+@pytest.fixture(scope="module")
+def binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cbuild")
+    subprocess.run(["make", "-s", "-C", str(EXAMPLE), f"OUT={out}"], check=True)
+    return out / "shmb_client"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
+    b = start_broker(tmp_path_factory.mktemp("cbroker"), "process")
+    yield b
+    assert b.stop() == 0, b.log()
+    assert not b.segments()
+
+
+def _run(binary: Path, b: RunningBroker, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir))
+    return subprocess.run([str(binary), *args], env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_c_client_scores_match_the_python_client(binary: Path, live: RunningBroker, tmp_path: Path, rows: int) -> None:
+    x = np.random.default_rng(rows).random((rows, 224, 224, 3), dtype=np.float32)
+    path = tmp_path / "input.f32"
+    x.tofile(path)
+    r = _run(binary, live, "nsfw", str(path))
+    assert r.returncode == 0, r.stderr
+    printed = np.array([[float(v) for v in line.split()] for line in r.stdout.splitlines()], np.float32)
+    with Client(live.runtime_dir) as c:
+        expected = np.asarray(c.infer("nsfw", x))
+    assert printed.shape == (rows, 2)
+    np.testing.assert_allclose(printed, expected, rtol=0, atol=1e-5)
+
+
+def test_c_client_reports_errors(binary: Path, live: RunningBroker, tmp_path: Path) -> None:
+    path = tmp_path / "input.f32"
+    np.zeros((1, 256), np.float32).tofile(path)
+    r = _run(binary, live, "nsfw", str(path))  # not whole rows of nsfw's input
+    assert r.returncode == 1 and "whole rows" in r.stderr
+    r = _run(binary, live, "nope", str(path))
+    assert r.returncode == 1 and "does not serve" in r.stderr
+    r = _run(binary, live, "tiny", str(path))
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.split()) == 256
