@@ -88,6 +88,7 @@ class Client(Receiving):
         self._links: dict[int, Link] = {}
         self._links_lock = threading.Lock()
         self._links_changed = True  # the IO thread rebuilds its poller
+        self._turn = 0  # where _choose starts its scan of the links
         self._pending: dict[int, Pending] = {}
         self._free: list[int] = list(range(hs.setup.n_slots - 1, -1, -1))
         self._gens = [0] * hs.setup.n_slots
@@ -319,9 +320,15 @@ class Client(Receiving):
             self._flush(link)
 
     def _choose(self, plan: ModelPlan) -> Link | None:
-        """The least-outstanding live worker that serves the model."""
+        """The least-outstanding live worker that serves the model; ties go round robin."""
+        links = self._snapshot_links()
+        n = len(links)
+        # Always starting the scan at the first link would hand every tie to worker 0, and ties are the
+        # common case at low load: the load would lean on it (seen as 894 against 706 requests).
+        self._turn = start = (self._turn + 1) % n if n else 0
         best = None
-        for link in self._snapshot_links():
+        for k in range(n):
+            link = links[(start + k) % n]
             if link.up and plan.info.name in link.models and (best is None or link.outstanding < best.outstanding):
                 best = link
         return best
