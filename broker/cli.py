@@ -158,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("http", help="the KServe v2 / Triton HTTP front-end: N processes on one port")
     http_main.add_arguments(w)
     w.set_defaults(fn=http_main.command)
+    from frontend import inline_cli
+
+    n = sub.add_parser("inline", help="the inline gateway: tensors in ZeroMQ frames, for callers without shm")
+    inline_cli.add_arguments(n)
+    n.set_defaults(fn=inline_cli.command)
     b = sub.add_parser("bench", help="measure the broker against raw ZeroMQ and in-process limits")
     from bench.run import add_arguments
 

@@ -1,5 +1,5 @@
-"""examples/c against a live broker: built with its Makefile, run as a separate process, its printed scores
-compared with the Python client's for the same input file."""
+"""examples/c against a live broker, in both modes (its own ring; inline frames through `shmbroker inline`):
+built with its Makefile, run as a separate process, its printed scores compared with the Python client's."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from client import Client
-from tests.conftest import REPO, RunningBroker, start_broker
+from tests.conftest import REPO, RunningBroker
+from tests.test_inline import broker_with_gateway
 
 EXAMPLE = REPO / "examples" / "c"
 
@@ -36,10 +37,9 @@ def binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
-    b = start_broker(tmp_path_factory.mktemp("cbroker"), "process")
-    yield b
-    assert b.stop() == 0, b.log()
-    assert not b.segments()
+    """A broker, and the inline gateway on it for the C client's second mode."""
+    with broker_with_gateway(tmp_path_factory.mktemp("cbroker")) as (b, _endpoints):
+        yield b
 
 
 def _run(binary: Path, b: RunningBroker, *args: str) -> subprocess.CompletedProcess[str]:
@@ -47,12 +47,14 @@ def _run(binary: Path, b: RunningBroker, *args: str) -> subprocess.CompletedProc
     return subprocess.run([str(binary), *args], env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
+@pytest.mark.parametrize("mode", ["shm", "inline"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_c_client_scores_match_the_python_client(binary: Path, live: RunningBroker, tmp_path: Path, rows: int) -> None:
+def test_c_client_scores_match_the_python_client(binary: Path, live: RunningBroker, tmp_path: Path, rows: int,
+                                                 mode: str) -> None:
     x = np.random.default_rng(rows).random((rows, 224, 224, 3), dtype=np.float32)
     path = tmp_path / "input.f32"
     x.tofile(path)
-    r = _run(binary, live, "nsfw", str(path))
+    r = _run(binary, live, *(["--inline"] if mode == "inline" else []), "nsfw", str(path))
     assert r.returncode == 0, r.stderr
     printed = np.array([[float(v) for v in line.split()] for line in r.stdout.splitlines()], np.float32)
     with Client(live.runtime_dir) as c:
@@ -71,3 +73,5 @@ def test_c_client_reports_errors(binary: Path, live: RunningBroker, tmp_path: Pa
     r = _run(binary, live, "tiny", str(path))
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.split()) == 256
+    r = _run(binary, live, "--inline", "nope", str(path))
+    assert r.returncode == 1 and "does not serve" in r.stderr

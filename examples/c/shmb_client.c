@@ -1,6 +1,7 @@
 /* shmb_client: a shmbroker client in C, written against docs/PROTOCOL.md alone.
  *
- *   shmb_client MODEL INPUT.f32      prints one line per row: the model's first output, "%.9g" each
+ *   shmb_client MODEL INPUT.f32            prints one line per row: the model's first output, "%.9g" each
+ *   shmb_client --inline MODEL INPUT.f32   the same through `shmbroker inline`: tensors in frames, no shm
  *
  * INPUT.f32 is raw little-endian float32, C order, whole rows of the model's first input (nsfw: N x 224 x
  * 224 x 3). One session with one slot: HELLO -> SETUP -> map the segment (shm_open, mmap, flock LOCK_SH) ->
@@ -26,6 +27,7 @@
 
 enum { HELLO = 1, SETUP = 2, ATTACHED = 3, READY = 4, BYE = 5, ERROR_KIND = 12, SUBMIT = 32, DONE = 33 };
 enum { SUBMITTED = 1 };
+enum { INLINE_REQUEST = 40, INLINE_REPLY = 41, INLINE_MODELS = 42, INLINE_MODELS_REPLY = 43 }; /* §10 */
 #define HEADER_BYTES 4096u
 #define SLOT_HEADER_BYTES 256u
 #define WAIT_MS 30000
@@ -179,7 +181,7 @@ static float *read_input(const char *path, size_t *len) {
 }
 
 /* The model's id and its first input's item shape (float32 only, one input) from SETUP.models */
-static uint32_t find_model(const js_doc *d, const char *model, int64_t *dims, uint8_t *ndim) {
+static uint32_t find_model(const js_doc *d, const char *model, int64_t *dims, uint8_t *ndim, const char **in_name) {
     int models = js_get(d, 0, "models");
     for (int k = 0; js_at(d, models, k) >= 0; k++) {
         int m = js_at(d, models, k);
@@ -188,6 +190,7 @@ static uint32_t find_model(const js_doc *d, const char *model, int64_t *dims, ui
         int in0 = js_at(d, inputs, 0);
         if (d->nodes[inputs].size != 1 || strcmp(js_str(d, js_get(d, in0, "dtype")), "float32") != 0)
             die(1, "this example handles models with one float32 input");
+        *in_name = js_str(d, js_get(d, in0, "name"));
         int shape = js_get(d, in0, "shape");
         *ndim = (uint8_t)d->nodes[shape].size;
         for (int i = 0; i < *ndim && i < 8; i++) dims[i] = js_int(d, js_at(d, shape, i), 0);
@@ -236,8 +239,89 @@ static int handle_done(const session_t *s, zmq_msg_t *body) {
     return 0;
 }
 
+/* Receive one message of any number of frames (at most max) within WAIT_MS; returns the count. */
+static int recv_n(void *sock, zmq_msg_t *parts, int max) {
+    zmq_pollitem_t item = {sock, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&item, 1, WAIT_MS) <= 0) die(1, "no answer within 30 s (is `shmbroker inline` running?)");
+    int n = 0, more = 1;
+    while (more) {
+        if (n == max) die(1, "too many frames in the answer");
+        zmq_msg_init(&parts[n]);
+        if (zmq_msg_recv(&parts[n], sock, 0) < 0) die(1, "zmq_msg_recv failed");
+        more = zmq_msg_more(&parts[n++]);
+    }
+    return n;
+}
+
+static int kind_of(zmq_msg_t *env) {
+    const uint8_t *e = zmq_msg_data(env);
+    return zmq_msg_size(env) == 4 && (e[0] | e[1] << 8) == 1 ? e[2] | e[3] << 8 : -1;
+}
+
+/* §10: the same request with the tensor bytes in frames, through `shmbroker inline` (no shared memory) */
+static int inline_main(const char *model, const char *input) {
+    size_t in_len;
+    float *x = read_input(input, &in_len);
+    char dir[4096], addr[4200], json[1024];
+    runtime_dir(dir, sizeof dir);
+    snprintf(addr, sizeof addr, "ipc://%s/inline.sock", dir);
+    void *ctx = zmq_ctx_new(), *sock = zmq_socket(ctx, ZMQ_DEALER);
+    int zero = 0;
+    zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof zero);
+    if (zmq_connect(sock, addr) != 0) die(1, "cannot connect to inline.sock");
+    send2(sock, INLINE_MODELS, "{}", 2); /* the input's name and item shape */
+    zmq_msg_t parts[16];
+    int n = recv_n(sock, parts, 16);
+    if (n != 2 || kind_of(&parts[0]) != INLINE_MODELS_REPLY) die(1, "unexpected answer to INLINE_MODELS");
+    js_doc models, reply;
+    if (js_parse(&models, zmq_msg_data(&parts[1]), zmq_msg_size(&parts[1])) != 0) die(1, "unparsable JSON body");
+    int64_t dims[8] = {0};
+    uint8_t ndim = 0;
+    const char *in_name;
+    find_model(&models, model, dims, &ndim, &in_name);
+    uint64_t item = 4;
+    for (int i = 1; i < ndim; i++) item *= (uint64_t)dims[i];
+    if (in_len == 0 || in_len % item) die(1, "the input file is not whole rows of the model's input");
+    int len = snprintf(json, sizeof json, "{\"id\":1,\"model\":\"%s\",\"inputs\":[{\"name\":\"%s\",\"dtype\":\"float32\","
+                       "\"shape\":[%" PRIu64, model, in_name, (uint64_t)(in_len / item));
+    for (int i = 1; i < ndim; i++) len += snprintf(json + len, sizeof json - (size_t)len, ",%" PRId64, dims[i]);
+    len += snprintf(json + len, sizeof json - (size_t)len, "]}]}");
+    uint8_t env[4] = {1, 0, INLINE_REQUEST, 0};
+    if (zmq_send(sock, env, 4, ZMQ_SNDMORE) != 4 || zmq_send(sock, json, (size_t)len, ZMQ_SNDMORE) != len
+        || zmq_send(sock, x, in_len, 0) != (int)in_len)
+        die(1, "zmq_send failed");
+    for (int i = 0; i < n; i++) zmq_msg_close(&parts[i]);
+    n = recv_n(sock, parts, 16);
+    if (n < 2 || kind_of(&parts[0]) != INLINE_REPLY) die(1, "unexpected answer to INLINE_REQUEST");
+    if (js_parse(&reply, zmq_msg_data(&parts[1]), zmq_msg_size(&parts[1])) != 0) die(1, "unparsable JSON body");
+    if (strcmp(js_str(&reply, js_get(&reply, 0, "status")), "OK") != 0) {
+        fprintf(stderr, "shmb_client: request failed, %s: %s\n", js_str(&reply, js_get(&reply, 0, "status")),
+                js_str(&reply, js_get(&reply, 0, "message")));
+        exit(3);
+    }
+    int out0 = js_at(&reply, js_get(&reply, 0, "outputs"), 0), shape = js_get(&reply, out0, "shape");
+    int64_t rows = js_int(&reply, js_at(&reply, shape, 0), 0);
+    if (n < 3 || rows < 1 || strcmp(js_str(&reply, js_get(&reply, out0, "dtype")), "float32") != 0)
+        die(1, "the reply's first output is not float32 rows");
+    size_t per_row = zmq_msg_size(&parts[2]) / 4 / (size_t)rows;
+    float *y = malloc(zmq_msg_size(&parts[2]) + 4); /* a copy: a small frame's bytes need not be float-aligned */
+    if (!y) die(1, "out of memory");
+    memcpy(y, zmq_msg_data(&parts[2]), zmq_msg_size(&parts[2]));
+    for (int64_t r = 0; r < rows; r++)
+        for (size_t j = 0; j < per_row; j++) printf("%.9g%c", y[(size_t)r * per_row + j], j + 1 == per_row ? '\n' : ' ');
+    free(y);
+    for (int i = 0; i < n; i++) zmq_msg_close(&parts[i]);
+    js_free(&models);
+    js_free(&reply);
+    zmq_close(sock);
+    zmq_ctx_term(ctx);
+    free(x);
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    if (argc != 3) die(1, "usage: shmb_client MODEL INPUT.f32");
+    if (argc == 4 && strcmp(argv[1], "--inline") == 0) return inline_main(argv[2], argv[3]);
+    if (argc != 3) die(1, "usage: shmb_client [--inline] MODEL INPUT.f32");
     size_t in_len;
     float *x = read_input(argv[2], &in_len);
     char dir[4096], addr[4200], json[256];
@@ -264,7 +348,8 @@ int main(int argc, char **argv) {
     map_segment(&s, &setup);
     int64_t dims[8] = {0};
     uint8_t ndim = 0;
-    uint32_t model_id = find_model(&setup, argv[1], dims, &ndim);
+    const char *in_name;
+    uint32_t model_id = find_model(&setup, argv[1], dims, &ndim, &in_name);
     uint64_t item = 4;
     for (int i = 1; i < ndim; i++) item *= (uint64_t)dims[i];
     if (in_len == 0 || in_len % item) die(1, "the input file is not whole rows of the model's input");

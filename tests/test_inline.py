@@ -1,0 +1,164 @@
+"""The inline gateway (`shmbroker inline`) against a live broker: tensors in ZeroMQ frames over ipc, and
+over tcp with CURVE. Real processes and sockets; the caller is plain pyzmq, as a C or Go program would be."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+import zmq.auth
+
+from broker import protocol as P
+from frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REPLY, INLINE_REQUEST
+from tests.conftest import REPO, RunningBroker, start_broker
+from tests.test_e2e import direct
+
+
+def start_inline(b: RunningBroker, log_path: Path, *extra: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """`shmbroker inline`; returns once it printed its ready line, with the endpoints it listens on."""
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir), PYTHONUNBUFFERED="1")
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "inline", "--slots", "16", *extra], env=env,
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=logf, text=True)
+    line = proc.stdout.readline() if proc.stdout is not None else ""
+    m = re.match(r"shmbroker inline: ready on (.+)$", line.strip())
+    if m is None:
+        proc.kill()
+        raise AssertionError(f"no ready line, got {line!r}; log:\n{log_path.read_text()[-4000:]}")
+    return proc, m.group(1).split()
+
+
+def stop(proc: subprocess.Popen[str]) -> int:
+    proc.terminate()
+    return proc.wait(30)
+
+
+@contextlib.contextmanager
+def broker_with_gateway(tmp: Path) -> Iterator[tuple[RunningBroker, list[str]]]:
+    """A broker and `shmbroker inline` on it; both must stop cleanly and leave no segment."""
+    b = start_broker(tmp, "process")
+    try:
+        proc, endpoints = start_inline(b, tmp / "inline.log")
+    except BaseException:
+        b.stop()
+        raise
+    yield b, endpoints
+    assert stop(proc) == 0, (tmp / "inline.log").read_text()[-3000:]
+    assert b.stop() == 0, b.log()
+    assert not b.segments()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningBroker, list[str]]]:
+    with broker_with_gateway(tmp_path_factory.mktemp("inline")) as g:
+        yield g
+
+
+def _env(kind: int) -> bytes:
+    return P.ENVELOPE.pack(1, kind)
+
+
+def _ask(sock: zmq.Socket[bytes], frames: list[bytes]) -> list[bytes]:
+    sock.send_multipart(frames)
+    assert sock.poll(60_000), "no answer from the gateway"
+    return sock.recv_multipart()
+
+
+def _infer(sock: zmq.Socket[bytes], model: str, name: str, x: np.ndarray,
+           rid: int = 7) -> tuple[dict[str, Any], list[bytes]]:
+    header = {"id": rid, "model": model, "inputs": [{"name": name, "dtype": x.dtype.name, "shape": list(x.shape)}]}
+    reply = _ask(sock, [_env(INLINE_REQUEST), msgspec.json.encode(header), x.tobytes()])
+    assert reply[0] == _env(INLINE_REPLY)
+    return msgspec.json.decode(reply[1]), reply[2:]
+
+
+@pytest.fixture
+def dealer(gateway: tuple[RunningBroker, list[str]]) -> Iterator[zmq.Socket[bytes]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(gateway[1][0])
+    yield sock
+    ctx.destroy(linger=0)
+
+
+def test_ipc_only_by_default_and_models_listed(gateway: tuple[RunningBroker, list[str]],
+                                               dealer: zmq.Socket[bytes]) -> None:
+    b, endpoints = gateway
+    assert endpoints == [f"ipc://{b.runtime_dir}/inline.sock"]
+    reply = _ask(dealer, [_env(INLINE_MODELS), b"{}"])
+    assert reply[0] == _env(INLINE_MODELS_REPLY)
+    models = {m["name"]: m for m in msgspec.json.decode(reply[1])["models"]}
+    assert models["nsfw"]["inputs"] == [{"name": "input:0", "dtype": "float32", "shape": [-1, 224, 224, 3]}]
+
+
+def test_results_in_frames_match_onnxruntime(dealer: zmq.Socket[bytes]) -> None:
+    x = np.random.default_rng(5).random((2, 224, 224, 3), dtype=np.float32)
+    head, frames = _infer(dealer, "nsfw", "input:0", x)
+    assert head["id"] == 7 and head["status"] == "OK"
+    assert head["outputs"] == [{"name": "outputs", "dtype": "float32", "shape": [2, 2]}]
+    y = np.frombuffer(frames[0], np.float32).reshape(2, 2)
+    np.testing.assert_allclose(y, direct("nsfw", x), rtol=0, atol=1e-5)
+
+
+def test_errors_name_the_code(dealer: zmq.Socket[bytes]) -> None:
+    x = np.ones((1, 256), np.float32)
+    head, _ = _infer(dealer, "nope", "x", x, rid=1)
+    assert (head["id"], head["status"]) == (1, "UNKNOWN_MODEL")
+    head, _ = _infer(dealer, "tiny", "x", np.ones((1, 255), np.float32), rid=2)
+    assert (head["id"], head["status"]) == (2, "BAD_SHAPE") and "shape" in head["message"]
+    header = {"id": 3, "model": "tiny", "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 256]}]}
+    reply = _ask(dealer, [_env(INLINE_REQUEST), msgspec.json.encode(header), x.tobytes()[:100]])
+    head = msgspec.json.decode(reply[1])
+    assert (head["id"], head["status"]) == (0, "BAD_MESSAGE") and "inputs[0]" in head["message"]
+    reply = _ask(dealer, [_env(INLINE_REQUEST), b"{nope"])
+    assert msgspec.json.decode(reply[1])["status"] == "BAD_MESSAGE"
+    head, frames = _infer(dealer, "tiny", "x", x, rid=4)  # the gateway goes on serving
+    assert head["status"] == "OK" and len(frames[0]) == 1024
+
+
+def test_tcp_needs_curve(gateway: tuple[RunningBroker, list[str]]) -> None:
+    b, _ = gateway
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir))
+    r = subprocess.run([sys.executable, "-m", "broker.cli", "inline", "--tcp", "tcp://127.0.0.1:*"], env=env,
+                       cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2 and "CURVE" in r.stderr
+
+
+def test_tcp_with_curve_serves_an_authorised_client(gateway: tuple[RunningBroker, list[str]], tmp_path: Path) -> None:
+    b, _ = gateway
+    server_public, server_secret = zmq.curve_keypair()
+    secret_file = tmp_path / "server.key"
+    secret_file.write_bytes(server_secret)
+    allowed = tmp_path / "clients"
+    allowed.mkdir()
+    _public_file, secret_path = zmq.auth.create_certificates(str(tmp_path), "client")
+    (allowed / "client.key").write_bytes((tmp_path / "client.key").read_bytes())  # only its public key
+    client_public, client_secret = zmq.auth.load_certificate(str(secret_path))
+    proc, endpoints = start_inline(b, tmp_path / "tcp.log", "--tcp", "tcp://127.0.0.1:*", "--curve-secret-file",
+                                   str(secret_file), "--curve-clients", str(allowed))
+    try:
+        tcp = next(e for e in endpoints if e.startswith("tcp://"))
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.curve_serverkey = server_public
+        sock.curve_publickey = client_public
+        sock.curve_secretkey = client_secret or b""
+        sock.connect(tcp)
+        x = np.random.default_rng(2).standard_normal((3, 256), dtype=np.float32)
+        head, frames = _infer(sock, "tiny", "x", x)
+        assert head["status"] == "OK"
+        np.testing.assert_allclose(np.frombuffer(frames[0], np.float32).reshape(3, 256), direct("tiny", x),
+                                   rtol=0, atol=1e-5)
+        ctx.destroy(linger=0)
+    finally:
+        assert stop(proc) == 0
