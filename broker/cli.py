@@ -130,6 +130,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def cmd_build(args: argparse.Namespace) -> int:
+    from broker.modelbuild.command import cmd_build as build
+
+    return build(args)
+
+
+def cmd_check_precision(args: argparse.Namespace) -> int:
+    from broker.modelbuild.checks import cmd_check_precision as check
+
+    return check(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="shmbroker", description="Shared-memory inference broker")
     ap.add_argument("--runtime-dir", default="", help=f"sockets and lock (default: ${runtime.ENV_VAR}, "
@@ -168,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(b)
     b.set_defaults(fn=cmd_bench)
+    from broker.modelbuild.args import add_build_arguments, add_check_arguments
+
+    bd = sub.add_parser("build", help="ONNX to fp16/int8 ONNX and a TensorRT plan with its sidecar (offline)")
+    add_build_arguments(bd)
+    bd.set_defaults(fn=cmd_build)
+    cp = sub.add_parser("check-precision", help="a converted model against the fp32 one on evaluation data")
+    add_check_arguments(cp)
+    cp.set_defaults(fn=cmd_check_precision)
     return ap
 
 

@@ -114,7 +114,8 @@ def check_plan_meta(
         if not fits:
             kind = "a version-compatible plan" if vc else "a plan"
             raise EngineError(
-                f"{where} is {kind} built with TensorRT {theirs}; this worker runs TensorRT {trt_version}: {rebuild}"
+                f"{where} is {kind} built with TensorRT {theirs}; this worker runs TensorRT {trt_version} "
+                f"(sidecar field tensorrt_version): {rebuild}"
             )
     raw_cc = meta.get("compute_capability")
     if raw_cc is None:
@@ -128,10 +129,26 @@ def check_plan_meta(
     if not fits:
         raise EngineError(
             f"{where} was built for {their_gpu} (compute capability {their_cc[0]}.{their_cc[1]}); this worker's GPU "
-            f"is {gpu_name} ({capability[0]}.{capability[1]}): {rebuild}"
+            f"is {gpu_name} ({capability[0]}.{capability[1]}) (sidecar fields gpu_name, compute_capability): {rebuild}"
         )
     if meta.get("gpu_name") and meta["gpu_name"] != gpu_name:
         log.warning("%s was built on %s, runs on %s: TensorRT advises against it", where, their_gpu, gpu_name)
+
+
+def check_plan_io(meta: dict[str, Any], inputs: list[IOSpec], outputs: list[IOSpec], where: str) -> None:
+    """Refuse a plan whose sidecar ``inputs``/``outputs`` differ from the plan's own IO (a stale sidecar, or a
+    plan swapped under it); the message names the sidecar field and the first differing tensor."""
+    side = f"sidecar of {where}"
+    for field, role, actual in (("inputs", "input", inputs), ("outputs", "output", outputs)):
+        declared = specs_from_json(meta.get(field), role, side)
+        if _same_io(declared, actual):
+            continue
+        theirs = {(s.name, s.dtype.name, s.shape) for s in declared}
+        ours = {(s.name, s.dtype.name, s.shape) for s in actual}
+        raise EngineError(
+            f"{side}: field {field!r} declares {sorted(theirs - ours)}, the plan has {sorted(ours - theirs)}: "
+            "the sidecar is stale or the plan was replaced, rebuild (shmbroker build)"
+        )
 
 
 def _engine_specs(trt: Any, engine: Any, where: str) -> tuple[list[IOSpec], list[IOSpec]]:
@@ -199,11 +216,7 @@ class TensorRTEngine:
             )
         self.inputs, self.outputs = _engine_specs(trt, self._engine, where)
         if meta is not None and "inputs" in meta:
-            side = f"sidecar of {where}"
-            ins = specs_from_json(meta["inputs"], "input", side)
-            outs = specs_from_json(meta.get("outputs"), "output", side)
-            if not (_same_io(ins, self.inputs) and _same_io(outs, self.outputs)):
-                raise EngineError(f"{side} declares IO that the plan does not have: the sidecar is stale, rebuild")
+            check_plan_io(meta, self.inputs, self.outputs, where)
         self.profiles = int(self._engine.num_optimization_profiles)
         if max_batch:
             self.check_profile(0, max_batch)

