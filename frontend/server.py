@@ -96,11 +96,11 @@ class Frontend:
 
     def _model(self, request: web.Request) -> P.ModelInfo:
         name = request.match_info["model"]
-        version = request.match_info.get("version", "1")
+        version = request.match_info.get("version")
         plan = self._client().models.get(name)
-        if plan is None or version not in ("", "1"):
-            raise HttpError(404, f"model {name!r} version {version!r}: not served; models are "
-                                 f"{sorted(self._client().models)} (version 1)")
+        if plan is None or version not in (None, "", "1"):
+            what = f"model {name!r}" + (f" version {version!r}" if version else "")
+            raise HttpError(404, f"{what}: not served; models are {sorted(self._client().models)} (version 1 each)")
         info: P.ModelInfo = plan.info
         return info
 
