@@ -49,7 +49,7 @@ def test_int8_build_without_builder_then_check_precision(
     assert INSTALL in err and "int8 ONNX model is ready" in err
     model = out / "open-nsfw.int8.onnx"
     assert convert.qdq_summary(str(model)).problems() == []
-    record = json.loads((out / "build.json").read_text())
+    record = json.loads((out / "open-nsfw.int8.build.json").read_text())
     assert record["tensorrt"]["status"] == "missing" and INSTALL in record["tensorrt"]["reason"]
     assert record["onnx_sha256"] == engine.sha256(NSFW) and record["precision"] == "int8"
     assert record["calibration"]["rows"] == 8 and len(record["calibration"]["row_sha256"]) == 8

@@ -13,7 +13,7 @@ HARDWARE_COMPAT = ("none", "ampere+")
 
 def add_build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("model", help="the float32 ONNX model")
-    ap.add_argument("-o", "--out", required=True, help="output folder (created): converted ONNX, plan, build.json")
+    ap.add_argument("-o", "--out", required=True, help="output folder (created): converted ONNX, build record, plan")
     ap.add_argument("--precision", choices=PRECISIONS, default="fp16")
     ap.add_argument("--calib-data", default="", help="int8: an image folder, a .npy or a .npz file")
     ap.add_argument("--calib-method", choices=CALIB_METHODS, default="entropy")

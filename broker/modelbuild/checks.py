@@ -96,8 +96,8 @@ def check_converted(src: str, dst: str, kind: str, sample: Data | None) -> dict[
 
 
 def _calibration_overlap(candidate: str, digests: set[str]) -> int:
-    """Rows of the evaluation data that the candidate's build.json lists as calibration rows."""
-    record = Path(candidate).parent / "build.json"
+    """Rows of the evaluation data that the candidate's build record lists as calibration rows."""
+    record = Path(candidate).with_suffix(".build.json")  # X.int8.onnx -> X.int8.build.json
     if not record.is_file():
         return 0
     try:
@@ -135,7 +135,7 @@ def cmd_check_precision(args: argparse.Namespace) -> int:
         for candidate in args.candidates:
             overlap = _calibration_overlap(candidate, digests)
             if overlap:
-                raise DataError(f"--eval-data: {overlap} of its rows calibrated {candidate} (its build.json): "
+                raise DataError(f"--eval-data: {overlap} of its rows calibrated {candidate} (its build record): "
                                 "evaluate on data disjoint from the calibration set")
         result = _evaluate(args, data)
     except (DataError, OSError) as exc:

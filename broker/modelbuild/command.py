@@ -73,8 +73,14 @@ def _count(source: str) -> int | None:
     return len(calibration.image_files(path)) if path.is_dir() else None
 
 
+def record_path(out: Path, source: str, precision: str) -> Path:
+    """The build record: ``OUT/<stem>.<precision>.build.json``, beside ``<stem>.<precision>.onnx``."""
+    return out / f"{Path(source).stem}.{precision}.build.json"
+
+
 def _write_record(out: Path, record: dict[str, Any]) -> None:
-    (out / "build.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    path = record_path(out, record["source"], record["precision"])
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 def _build_engine(args: argparse.Namespace, out: Path, model: str, options: engine.BuildOptions,

@@ -5,8 +5,10 @@ models take the same feeds as the original and run in ONNX Runtime on the CPU.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -133,13 +135,15 @@ def to_int8(
     with tempfile.TemporaryDirectory(prefix="shmb-int8-") as tmp:
         prepared = _prepared(src, Path(tmp))
         keep = [n.name for n in onnx.load(prepared).graph.node if n.op_type in SENSITIVE_OPS]
+        # onnxruntime prints its calibration steps to stdout, which belongs to the command's figures
+        options = {"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False}
         try:
-            quantize_static(
-                prepared, dst, _reader(data, batch, advance), quant_format=QuantFormat.QDQ, per_channel=True,
-                activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, calibrate_method=methods[method],
-                nodes_to_exclude=keep,
-                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
-            )
+            with contextlib.redirect_stdout(sys.stderr):
+                quantize_static(
+                    prepared, dst, _reader(data, batch, advance), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                    calibrate_method=methods[method], nodes_to_exclude=keep, extra_options=options,
+                )
         except (ValueError, RuntimeError) as exc:
             raise ConversionError(f"onnxruntime cannot quantize {src}: {exc}") from exc
     log.info("int8 model written to %s (%s calibration)", dst, method)
