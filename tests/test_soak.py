@@ -66,6 +66,8 @@ def test_soak_at_80_percent(tmp_path: Path) -> None:
               f"({100 * growth:+.2f} %), fds {base[2]} -> {fds_end} (max {max(s[2] for s in samples)}), "
               f"segments max {max(s[3] for s in samples)}")
         assert_accounted(t)
+        # the senders share the cores with the worker: they reach 70-100 % of the 80 % asked for
+        assert t.offered_per_s >= 0.5 * capacity, "the load generator could not offer the load"
         assert t.failed_total <= 0.001 * t.submitted, t.failed
         assert churn_errors == 0 and sessions > 0
         assert growth < 0.05, f"RSS grew {100 * growth:.1f} %"
