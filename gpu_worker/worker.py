@@ -27,6 +27,7 @@ from gpu_worker.engines import Engine, IOSpec, load_engine
 from gpu_worker.intake import ModelView, Rejected, check_slot, check_tensors
 from gpu_worker.runner import BatchRunner, Work, make_runner, reply
 from gpu_worker.sessions import WorkerSession
+from gpu_worker.spin import SpinPolicy
 from gpu_worker.warmup import prime
 
 log = logging.getLogger(__name__)
@@ -149,13 +150,13 @@ class Worker:
         poller.register(self._ctl, zmq.POLLIN)
         parent = os.getppid()
         # Only a worker process spins: in thread mode the loop shares the broker's GIL.
-        spin_ns = self.cfg.worker.spin_us * 1000 if self.cfg.broker.worker_mode == "process" else 0
-        spin_until = 0
+        spin = SpinPolicy(self.cfg.worker.spin_us * 1000 if self.cfg.broker.worker_mode == "process" else 0)
         while not stop.is_set():
-            if spin_ns:
-                self._spin(spin_until)  # (1)
+            if spin.until:
+                self._spin(spin.until)  # (1)
             events = dict(poller.poll(POLL_MS))
             if self._data in events:
+                spin.arrived(time.perf_counter_ns())
                 self._drain_data()
                 ran = 0
                 for m in self.models.values():
@@ -165,8 +166,8 @@ class Worker:
                         ran += 1
                     else:
                         m.runner.batcher.kick()  # still more due: the runner thread takes the rest
-                if ran and spin_ns:  # not for slow models: their runner threads need the cores
-                    spin_until = time.perf_counter_ns() + spin_ns
+                if ran:  # not after slow models: their runner threads need the cores
+                    spin.ran_inline(time.perf_counter_ns())
             if self._ctl in events and not self._drain_control():
                 return
             self._sweep()
