@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -71,12 +72,12 @@ def throughput(sess: ort.InferenceSession, data: Data, batch: int, min_seconds: 
 
 
 def report_lines(names: list[str], comparisons: dict[str, Comparison], rates: dict[str, float]) -> list[str]:
-    """The table check-precision prints: one line per model, the reference (no comparison) first."""
+    """The table check-precision prints: one line per model file, the reference (no comparison) first."""
     lines = [f"{'model':<40} {'agreement':>9} {'max abs':>10} {'mean abs':>10} {'rows/s':>9}"]
     for name in names:
         c = comparisons.get(name)
         figures = (f"{c.argmax_agreement:>9.2%} {c.max_abs_diff:>10.6f} {c.mean_abs_diff:>10.6f}" if c
                    else f"{'(reference)':>31}")
         rate = f"{rates[name]:>9.1f}" if name in rates else f"{'-':>9}"
-        lines.append(f"{name:<40} {figures} {rate}")
+        lines.append(f"{Path(name).name:<40} {figures} {rate}")  # file names: full paths break the columns
     return lines
