@@ -3,7 +3,7 @@
 Segment and socket modes are checked in tests/test_lifecycle.py (0600 by default; 0660 and the group with
 ``broker.group``), as is a child of another uid failing to open a segment. Here, run as root, children of
 other uids try the whole handshake, and every error text a client can provoke is checked for segment
-names and paths. The TCP endpoint with CURVE is not built yet (it comes with inline tensors, issue 7).
+names and paths. The TCP endpoint is the inline gateway's (issue 7): an unauthenticated client is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+import zmq.auth
+import zmq.utils.monitor
 
 from broker import protocol as P
 from broker.runtime import CONTROL_SOCKET, endpoint
@@ -37,7 +39,7 @@ from client import Client, ShmBrokerError
 uid, gid = int(sys.argv[1]), int(sys.argv[2])
 os.setgroups([]); os.setgid(gid); os.setuid(uid)
 try:
-    with Client(sys.argv[3], connect_timeout=3) as c:
+    with Client(sys.argv[3], connect_timeout=1.5) as c:
         c.infer("tiny", np.ones((1, 256), np.float32))
 except (ShmBrokerError, OSError) as exc:
     print(f"{type(exc).__name__}: {exc}")
@@ -140,3 +142,53 @@ def test_error_texts_name_no_segment_or_path(process_broker: RunningBroker) -> N
         victim.infer("tiny", np.ones((1, 256), np.float32))  # its session is untouched
         for e in errs:
             no_secrets(e.message)
+
+
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def handshake_outcome(ctx: zmq.Context[zmq.Socket[bytes]], endpoint_: str, server_key: bytes | None,
+                      keys: tuple[bytes, bytes] | None) -> int:
+    """Connect a DEALER (CURVE when ``server_key`` is given) and return the first handshake event it sees."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if server_key is not None and keys is not None:
+        sock.curve_serverkey = server_key
+        sock.curve_publickey, sock.curve_secretkey = keys
+    mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
+    sock.connect(endpoint_)
+    assert mon.poll(30_000), "no handshake event"
+    event = zmq.utils.monitor.recv_monitor_message(mon)["event"]
+    sock.disable_monitor()
+    mon.close(0)
+    sock.close(0)
+    return int(event)
+
+
+def test_tcp_endpoint_refuses_unauthenticated_clients(process_broker: RunningBroker, tmp_path: Path) -> None:
+    """The inline gateway's TCP endpoint (issue 7; off by default, and it refuses to start without CURVE:
+    tests/test_inline.py) completes a handshake only with a client whose public key it was given."""
+    from tests.test_inline import start_inline, stop
+
+    server_public, server_secret = zmq.curve_keypair()
+    (tmp_path / "server.key").write_bytes(server_secret)
+    allowed = tmp_path / "clients"
+    allowed.mkdir()
+    _pub, secret_path = zmq.auth.create_certificates(str(tmp_path), "client")
+    (allowed / "client.key").write_bytes((tmp_path / "client.key").read_bytes())  # its public key only
+    client_public, client_secret = zmq.auth.load_certificate(str(secret_path))
+    proc, endpoints = start_inline(process_broker, tmp_path / "tcp.log", "--tcp", "tcp://127.0.0.1:*",
+                                   "--curve-secret-file", str(tmp_path / "server.key"), "--curve-clients",
+                                   str(allowed))
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        tcp = next(e for e in endpoints if e.startswith("tcp://"))
+        assert handshake_outcome(ctx, tcp, None, None) & HANDSHAKE_FAILED  # no CURVE at all
+        stranger = zmq.curve_keypair()  # CURVE, but a key the gateway was not given
+        assert handshake_outcome(ctx, tcp, server_public, stranger) & HANDSHAKE_FAILED
+        known = (client_public, client_secret or b"")
+        assert handshake_outcome(ctx, tcp, server_public, known) == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    finally:
+        ctx.destroy(linger=0)
+        assert stop(proc) == 0
