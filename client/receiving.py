@@ -86,10 +86,14 @@ class Receiving:
                 else:  # a caller waiting in infer() holds the reply sockets
                     events = dict(pollers[1].poll(100))
                 for link in links:
-                    if link.monitor in events and link.handshake_done():  # (4)
-                        self._links_changed = True
-                        with self._slot_cond:
-                            self._slot_cond.notify_all()
+                    if link.monitor in events:  # (4) a reply connection came up, or closed
+                        was_up = link.up
+                        if link.handshake_done() != was_up:
+                            self._links_changed = True
+                            if link.lost:
+                                self._link_lost(link)
+                            with self._slot_cond:
+                                self._slot_cond.notify_all()
                 if self._ctl in events:
                     self._drain_control()  # (3)
                 if self._wake_rx in events:
@@ -108,7 +112,7 @@ class Receiving:
             poller.register(self._ctl, zmq.POLLIN)
             poller.register(self._wake_rx, zmq.POLLIN)
             for link in links:
-                if not link.up:
+                if not link.lost:
                     poller.register(link.monitor, zmq.POLLIN)
         for link in links:
             full.register(link.pull, zmq.POLLIN)
@@ -199,6 +203,16 @@ class Receiving:
             link.close()
             for slot, p in list(self._pending.items()):
                 if p.worker_id == worker_id:
+                    self._complete(link, WorkerDied(err), slot)
+        log.warning("%s", err)
+
+    def _link_lost(self, link: Link) -> None:
+        """The worker closed its reply connection: fail its requests now rather than at their deadlines (the
+        broker, if it is alive, also sends WORKER_DOWN and later WORKER_UP, which replace the link)."""
+        err = f"worker {link.worker_id} closed its connection (it or the broker is gone)"
+        with self._role.exclusive():
+            for slot, p in list(self._pending.items()):
+                if p.worker_id == link.worker_id:
                     self._complete(link, WorkerDied(err), slot)
         log.warning("%s", err)
 

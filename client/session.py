@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from broker import protocol as P
 from broker.ring import RingLayout, Segment, pack_offsets
 from client.errors import HandshakeError
 
+MONITOR_EVENT = struct.Struct("=H")  # a ZeroMQ monitor message starts with the event id, native u16
 GRACE_S = 2.0  # how long past its deadline a request may stay unanswered before the client gives up
 
 
@@ -95,7 +97,8 @@ class Link:
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.RCVHWM, 0)
-        self.monitor = self.pull.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.lost = False  # the reply connection closed after it was up: the worker no longer serves us
+        self.monitor = self.pull.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self.pull.connect(info.reply_endpoint)
         self.push = ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
@@ -103,13 +106,23 @@ class Link:
         self.push.connect(info.endpoint)
 
     def handshake_done(self) -> bool:
-        """Consume monitor events; True once the reply connection is up (DONEs can reach us)."""
+        """Consume monitor events; True while the reply connection is up (DONEs can reach us).
+
+        A disconnect after the connection was up sets ``lost``: a worker closes a session's reply socket only
+        once it has stopped serving it (it shut down, or its process ended, as it does when the broker dies),
+        so no DONE and no write into the ring can follow.
+        """
         while True:
             try:
-                self.monitor.recv_multipart(zmq.NOBLOCK)
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return self.up
-            self.up = True
+            event = MONITOR_EVENT.unpack_from(frames[0])[0] if frames and len(frames[0]) >= 2 else 0
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.lost:
+                self.up = True
+            elif event == zmq.EVENT_DISCONNECTED and self.up:
+                self.up = False
+                self.lost = True
 
     def close(self) -> None:
         with self.send_lock:

@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import pytest
 
-from client import Client, RequestTimeout, WorkerDied
+from client import Client, WorkerDied
 from tests.conftest import REPO, RunningBroker, arr, start_broker
 from tests.faultload import SPAWN, LoadGroup, LoadSpec, Tally, hold_requests
 from tests.test_e2e import direct
@@ -243,8 +243,8 @@ def test_broker_killed_then_restarted(tmp_path: Path) -> None:
             outcomes = [type(e).__name__ if (e := f.exception(40)) else "ok" for f in futs]
             assert set(outcomes) <= {"ok", "WorkerDied"}, outcomes  # none hangs
             assert worker_gone(worker, 10), "the worker outlived its broker"
-            with pytest.raises((RequestTimeout, WorkerDied)):  # no broker, no worker: fails by its deadline
-                c.infer("tiny", X, timeout=0.5)
+            with pytest.raises(WorkerDied):  # the worker's connection closed: at once, not at the 30 s deadline
+                c.infer("tiny", X, timeout=30)
             left = b.segments()
             assert (Path("/dev/shm") / c.segment.name).exists() and left  # nobody removed them yet
             assert (b.runtime_dir / "broker.sock").exists()
