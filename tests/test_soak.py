@@ -34,6 +34,7 @@ def usage(pids: list[int]) -> tuple[int, int]:
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(1500)  # ten minutes of load plus the capacity run and the set-up
 def test_soak_at_80_percent(tmp_path: Path) -> None:
     b = start_broker(tmp_path, "process", models=TINY)
     try:
