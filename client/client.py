@@ -119,6 +119,7 @@ class Client(Receiving):
 
         The calling thread receives the answer itself (see client.lead), so no thread hand-off is paid.
         """
+        self._check_may_wait()
         plan, slot, rows = self._fill(model, inputs, timeout)
         fut: Future[Outputs] = Future()
         self._send(slot, plan, rows, timeout, lambda r: self._resolve(fut, plan, slot, r), release=True)
@@ -126,9 +127,7 @@ class Client(Receiving):
 
     def wait_for(self, fut: Future[T], wait: float) -> T:
         """Block for ``fut`` (a request of this client), receiving answers on this thread meanwhile."""
-        if threading.current_thread() is self._io or self._role.leading():
-            raise ShmBrokerError("a completion callback cannot wait for an answer; use submit() or call()",
-                                 "DEADLOCK")
+        self._check_may_wait()
         until = time.monotonic() + wait
         self._role.lead(fut, until, self._snapshot_links, self._drain_done, lambda: bool(self._pending))
         try:
@@ -137,6 +136,12 @@ class Client(Receiving):
             if fut.done():
                 raise
             raise RequestTimeout(f"no answer from the worker within {wait:.1f} s") from None
+
+    def _check_may_wait(self) -> None:
+        """Refuse to block on a thread that runs completion callbacks (checked before anything is sent)."""
+        if threading.current_thread() is self._io or self._role.leading():
+            raise ShmBrokerError("a completion callback cannot wait for an answer; use submit() or call()",
+                                 "DEADLOCK")
 
     def submit(self, model: str, inputs: Inputs, timeout: float | None = None) -> Future[Outputs]:
         """Queue one request; the Future holds the output or a ShmBrokerError."""

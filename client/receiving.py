@@ -57,15 +57,9 @@ class Receiving:
     _slot_cond: threading.Condition
     _cork: Any  # threading.local: ``on`` while callbacks' submits are held back to leave together
     _io: threading.Thread
-
-    def _snapshot_links(self) -> tuple[Link, ...]:
-        raise NotImplementedError
-
-    def _links_updated(self) -> None:
-        raise NotImplementedError
-
-    def _flush_all(self) -> None:
-        raise NotImplementedError
+    _snapshot_links: Callable[[], tuple[Link, ...]]  # methods of Client
+    _links_updated: Callable[[], None]
+    _flush_all: Callable[[], None]
 
     def _io_loop(self) -> None:
         """(1) poll, (2) DONEs from workers, unless a caller receives them, (3) broker notices, (4) links up."""

@@ -34,6 +34,7 @@ class Request:
 
     def run(self) -> Outputs:
         """Send the slot as it is and wait; the result views point into the slot (no copy)."""
+        self._client._check_may_wait()
         done: Future[P.Result | ShmBrokerError] = Future()
         self.in_flight = True
         self._client._send(self._slot, self._plan, self._rows, self._timeout, done.set_result, release=False)

@@ -180,8 +180,9 @@ class Worker:
         """Poll the data socket without sleeping until a message is there or ``until_ns`` passes.
 
         Why: on small and virtual machines a core woken from sleep runs the next request two to three
-        times slower (cold caches, a slow wake-up), which dominates the round trip of cheap models. The
-        spin lasts at most ``worker.spin_us`` after the last message, so an idle worker sleeps.
+        times slower (cold caches, a slow wake-up), which dominates the round trip of cheap models.
+        ``SpinPolicy`` sets ``until_ns``: at most ``worker.spin_us`` after an inline batch, and only while
+        requests lately came within that window, so an idle or busy machine's worker sleeps.
         """
         data = self._data
         clock = time.perf_counter_ns

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -61,6 +63,24 @@ default_max_items = 16
 """
     )
     return path
+
+
+def run_client_processes(target: Callable[..., None], args: list[tuple[Any, ...]], timeout: float) -> list[Any]:
+    """Run ``target(*a, queue)`` in one spawned process per ``a``; each puts one result on the queue.
+
+    Returns the results (in arrival order) once every process has exited 0.
+    """
+    ctx = mp.get_context("spawn")
+    q: Any = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, q)) for a in args]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=timeout) for _ in procs]
+    for p in procs:
+        p.join(30)
+        if p.exitcode != 0:
+            raise AssertionError(f"client process {p.name} exited {p.exitcode}")
+    return results
 
 
 @dataclass

@@ -15,7 +15,7 @@ import pytest
 from client import AsyncClient, BadInput, Client, RequestTimeout, UnknownModel
 from client.client import Outputs
 from gpu_worker.model_source import resolve, tiny_model_bytes
-from tests.conftest import RunningBroker, arr
+from tests.conftest import RunningBroker, arr, run_client_processes
 
 
 @cache
@@ -64,15 +64,7 @@ def _client_process(seed: int, n: int, runtime_dir: str, q: mp.Queue) -> None:  
 
 
 def test_concurrent_clients_get_their_own_results_and_batches_form(broker: RunningBroker) -> None:
-    ctx = mp.get_context("spawn")
-    q: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
-    procs = [ctx.Process(target=_client_process, args=(seed, 300, str(broker.runtime_dir), q)) for seed in range(4)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    results = run_client_processes(_client_process, [(seed, 300, str(broker.runtime_dir)) for seed in range(4)], 120)
     assert sorted(r[0] for r in results) == [0, 1, 2, 3]
     assert all(done == 300 and wrong == 0 for _s, done, wrong in results), results
     tiny = next(m for w in broker.stats().workers for m in w.models if m.name == "tiny")

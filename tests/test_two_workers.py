@@ -3,7 +3,6 @@ clients spread their load by least-outstanding choice, and a killed worker leave
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from client import Client, WorkerDied
-from tests.conftest import RunningBroker, arr, start_broker
+from tests.conftest import RunningBroker, arr, run_client_processes, start_broker
 from tests.test_e2e import direct
 
 MODELS = """
@@ -69,14 +68,7 @@ def test_load_spreads_over_both_workers_and_one_survives_the_others_death(two_wo
     b = two_workers
     assert len(b.worker_pids()) == 2
     before = _ok_per_worker(b)
-    ctx = mp.get_context("spawn")
-    q: Any = ctx.Queue()
-    procs = [ctx.Process(target=_load, args=(s, str(b.runtime_dir), q)) for s in range(CLIENTS)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=240) for _ in procs]
-    for p in procs:
-        p.join(30)
+    results = run_client_processes(_load, [(s, str(b.runtime_dir)) for s in range(CLIENTS)], 240)
     assert sum(r[2] for r in results) == 0, results
     assert sum(r[1] for r in results) == CLIENTS * REQUESTS
     after = _ok_per_worker(b)

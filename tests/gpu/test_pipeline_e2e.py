@@ -4,7 +4,6 @@ the CPU. Skipped where there is no CUDA device (CI); run on the H200 machine (se
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from gpu_worker import cuda
-from tests.conftest import RunningBroker, start_broker
+from tests.conftest import RunningBroker, run_client_processes, start_broker
 from tests.test_multi_io import W, two_io_model
 
 pytestmark = pytest.mark.skipif(not cuda.available(), reason="needs a CUDA device and cuda-python")
@@ -109,15 +108,7 @@ def _distinct_pairs(scores: np.ndarray, tol: float) -> float:
 
 
 def test_eight_clients_get_their_own_results_in_fp32_and_fp16(gpu_broker: RunningBroker) -> None:
-    ctx = mp.get_context("spawn")
-    q: Any = ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(seed, str(gpu_broker.runtime_dir), q)) for seed in range(CLIENTS)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=240) for _ in procs]
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    results = run_client_processes(_client, [(seed, str(gpu_broker.runtime_dir)) for seed in range(CLIENTS)], 240)
     assert sorted(r[0] for r in results) == list(range(CLIENTS))
     for seed, errors, wrong, distinct, n_real in results:
         print(f"client {seed}: max abs fp32 {errors['nsfw32']:.2e}, fp16 {errors['nsfw16']:.2e}; "
