@@ -28,6 +28,9 @@ from gpu_worker.sessions import WorkerSession
 log = logging.getLogger(__name__)
 
 INLINE_BELOW_S = 200e-6
+# One sample moves the average by at most a tenth of this: a run stretched by the hypervisor or a
+# preempted core (milliseconds on a busy virtual machine) must not flip a cheap model to its runner thread.
+RUN_SAMPLE_CAP_S = 2 * INLINE_BELOW_S
 
 
 @dataclass(slots=True)
@@ -173,8 +176,9 @@ class BatchRunner:
             self._busy.release()
 
     def note_run_time(self, seconds: float) -> None:
-        """Feed the moving average of the engine's run time (warm-up primes it)."""
-        self.avg_run_s += (seconds - self.avg_run_s) * 0.1
+        """Feed the moving average of the engine's run time (warm-up primes it); a sample counts at most
+        ``RUN_SAMPLE_CAP_S``, so only a run of costly batches, not one outlier, turns a model expensive."""
+        self.avg_run_s += (min(seconds, RUN_SAMPLE_CAP_S) - self.avg_run_s) * 0.1
 
     @property
     def cheap(self) -> bool:
@@ -197,9 +201,10 @@ class ModelRunner(BatchRunner):
         works = [e.item for e in take.batch]
         try:
             feeds, rows = self._gather(works)  # (3)
-            t0 = time.perf_counter()
+            # CPU time of this thread: wall time would count the hypervisor's steal and preemption
+            t0 = time.thread_time()
             outputs = self.engine.run(feeds)  # (4)
-            self.note_run_time(time.perf_counter() - t0)
+            self.note_run_time(time.thread_time() - t0)
         except Exception as exc:  # noqa: BLE001 - an engine failure fails this batch (logged), not the worker
             self.fail(works, exc)
             return
