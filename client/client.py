@@ -38,7 +38,7 @@ from client.errors import (
     from_status,
 )
 from client.lead import ReceiveRole
-from client.receiving import Pending, Receiving
+from client.receiving import SLOT_ANSWERS, Pending, Receiving
 from client.request import Request
 from client.session import GRACE_S, Link, ModelPlan, control_socket, handshake
 
@@ -123,13 +123,15 @@ class Client(Receiving):
         plan, slot, rows = self._fill(model, inputs, timeout)
         fut: Future[Outputs] = Future()
         self._send(slot, plan, rows, timeout, lambda r: self._resolve(fut, plan, slot, r), release=True)
-        return self.wait_for(fut, (timeout if timeout is not None else plan.info.timeout_ms / 1e3) + GRACE_S)
+        return self.wait_for(fut, (timeout if timeout is not None else plan.info.timeout_ms / 1e3) + GRACE_S, slot)
 
-    def wait_for(self, fut: Future[T], wait: float) -> T:
-        """Block for ``fut`` (a request of this client), receiving answers on this thread meanwhile."""
+    def wait_for(self, fut: Future[T], wait: float, slot: int | None = None) -> T:
+        """Block for ``fut`` (a request of this client), receiving answers on this thread meanwhile; with its
+        ``slot``, a spinning wait also reads the answer from the slot header (client.receiving)."""
         self._check_may_wait()
         until = time.monotonic() + wait
-        self._role.lead(fut, until, self._snapshot_links, self._drain_done, lambda: bool(self._pending))
+        peek = (lambda: self.answered_in_slot(slot)) if slot is not None and SLOT_ANSWERS else None
+        self._role.lead(fut, until, self._snapshot_links, self._drain_done, lambda: bool(self._pending), peek)
         try:
             return fut.result(max(0.0, until - time.monotonic()))
         except TimeoutError:

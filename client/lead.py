@@ -9,6 +9,7 @@ when recent answers came quickly) and completes every DONE that arrives meanwhil
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -67,11 +68,13 @@ class ReceiveRole:
                 self.lock.release()
 
     def lead(self, fut: Future[Any], until: float, links: Callable[[], tuple[Link, ...]],
-             drain: Callable[[Link], None], others_pending: Callable[[], bool]) -> None:
+             drain: Callable[[Link], None], others_pending: Callable[[], bool],
+             peek: Callable[[], bool] | None = None) -> None:
         """Receive on this thread until ``fut`` is done, ``until`` (monotonic) passes, or links change.
 
-        Returns without a result in the last two cases; the caller then waits on ``fut`` as usual, and the
-        IO thread, unparked, receives what is left.
+        While spinning, ``peek()`` also looks for the answer in the slot header and completes it from there
+        (True), ahead of its DONE message. Returns without a result in the last two cases; the caller then
+        waits on ``fut`` as usual, and the IO thread, unparked, receives what is left.
         """
         self.parked = True
         if not self.lock.acquire(blocking=False):
@@ -82,7 +85,7 @@ class ReceiveRole:
         self._local.on = True
         start = time.perf_counter_ns()
         try:
-            self._receive(fut, until, links, drain, start)
+            self._receive(fut, until, links, drain, start, peek)
         finally:
             self._local.on = False
             self.lock.release()
@@ -93,17 +96,23 @@ class ReceiveRole:
                 self._wake()
 
     def _receive(self, fut: Future[Any], until: float, links: Callable[[], tuple[Link, ...]],
-                 drain: Callable[[Link], None], start: int) -> None:
+                 drain: Callable[[Link], None], start: int, peek: Callable[[], bool] | None) -> None:
         spin_end = start + self._spin_ns if self._recent_ns < self._spin_ns else 0
         clock = time.perf_counter_ns
         while not fut.done() and not self.wanted:
             left = until - time.monotonic()
             if left <= 0:
                 return
+            spinning = clock() < spin_end
+            if spinning and peek is not None and peek():
+                continue
             poller, by_socket = self._poller_for(links())
-            timeout = 0 if clock() < spin_end else min(POLL_SLICE_MS, int(left * 1000) + 1)
-            for sock, _ev in poller.poll(timeout):
+            timeout = 0 if spinning else min(POLL_SLICE_MS, int(left * 1000) + 1)
+            ready = poller.poll(timeout)
+            for sock, _ev in ready:
                 drain(by_socket[sock])
+            if spinning and not ready:
+                os.sched_yield()  # a ready thread (ZeroMQ's IO thread, say) need not wait for this one's slice
 
     def _poller_for(self, links: tuple[Link, ...]) -> tuple[zmq.Poller, dict[Any, Link]]:
         cached = self._poller

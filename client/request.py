@@ -39,7 +39,7 @@ class Request:
         self.in_flight = True
         self._client._send(self._slot, self._plan, self._rows, self._timeout, done.set_result, release=False)
         wait = (self._timeout if self._timeout is not None else self._plan.info.timeout_ms / 1e3) + GRACE_S
-        r = self._client.wait_for(done, wait)
+        r = self._client.wait_for(done, wait, self._slot)
         self.in_flight = False
         if isinstance(r, ShmBrokerError):
             raise r

@@ -77,14 +77,10 @@ def reply(works: list[Work], status: P.Status, message: str) -> None:
     """Answer each request with an error: mark its slot FAILED, send one DONE per session, free the slots."""
     by_session: dict[WorkerSession, list[P.Result]] = defaultdict(list)
     for w in works:
-        w.session.segment.set_state(w.req.slot, SlotState.FAILED, status)
         by_session[w.session].append(P.Result(w.req.request_id, w.req.slot, w.req.generation, status, [], message))
-    _send(by_session)
-
-
-def _send(by_session: dict[WorkerSession, list[P.Result]]) -> None:
     for session, results in by_session.items():
-        session.finish([r.slot for r in results], P.encode_done(P.DoneBatch(session.session_id, results)))
+        session.finish([r.slot for r in results], SlotState.FAILED, [status] * len(results),
+                       P.encode_done(P.DoneBatch(session.session_id, results)))
 
 
 def complete_ok(codec: ModelCodec, counters: ModelCounters, works: list[Work]) -> None:
@@ -93,11 +89,11 @@ def complete_ok(codec: ModelCodec, counters: ModelCounters, works: list[Work]) -
     done: dict[WorkerSession, list[tuple[int, int, int, int]]] = defaultdict(list)
     for w in works:
         req = w.req
-        w.session.segment.set_state(req.slot, SlotState.DONE, P.Status.OK)
         done[w.session].append((req.request_id, req.slot, req.generation, w.rows))
     counters.count(P.Status.OK, len(works))
     for session, items in done.items():
-        session.finish([slot for _r, slot, _g, _n in items], codec.done_ok(session.session_id, items))
+        session.finish([slot for _r, slot, _g, _n in items], SlotState.DONE, [P.Status.OK] * len(items),
+                       codec.done_ok(session.session_id, items))
 
 
 class BatchRunner:

@@ -20,7 +20,8 @@ CLOSE_LINGER_MS = 200  # lets last answers (SHUTTING_DOWN) leave when a session 
 
 
 class WorkerSession:
-    """Invariant: a slot is in ``in_flight`` from intake until its DONE is sent; release waits for none left."""
+    """Invariant: a slot is in ``in_flight`` from intake until its state word says DONE or FAILED; release
+    waits for none left."""
 
     def __init__(
         self, ctx: zmq.Context[zmq.Socket[bytes]], msg: P.Attach, worker_id: int, runtime_dir: Path,
@@ -55,13 +56,20 @@ class WorkerSession:
             self.segment.close()
             raise
 
-    def finish(self, slots: list[int], frames: list[bytes]) -> None:
-        """Free the slots and queue their DONE as one step, so no one sees a free slot before its DONE.
+    def finish(self, slots: list[int], state: int, statuses: list[int], frames: list[bytes]) -> None:
+        """Answer claimed slots in one step under the session lock: free the claims, write each slot's status and
+        ``state`` word, queue the DONE.
 
-        Never blocks: a DONE that cannot leave now (no reply connection yet) waits in the outbox.
+        Claims are freed before the state words are written: a client that reads DONE in the slot header
+        (client.lead) reuses the slot at once, and its next SUBMIT must find the slot unclaimed; intake
+        claims under the same lock, so it sees both changes or neither. Never blocks: a DONE that cannot
+        leave now (no reply connection yet) waits in the outbox.
         """
         with self._lock:
             self.in_flight.difference_update(slots)
+            set_state = self.segment.set_state
+            for slot, status in zip(slots, statuses, strict=True):
+                set_state(slot, state, status)
             if self._outbox or not self._try_send(frames):
                 self._outbox.append(frames)
 

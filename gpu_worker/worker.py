@@ -187,7 +187,10 @@ class Worker:
         data = self._data
         clock = time.perf_counter_ns
         while clock() < until_ns and not data.poll(0):
-            pass
+            # Give the core to any thread that is ready (ZeroMQ's IO threads carry the next request in): on
+            # a small machine the scheduler would otherwise let a spinner finish its slice first, and the
+            # request would wait the whole spin window.
+            os.sched_yield()
 
     def _close(self) -> None:
         for m in self.models.values():
@@ -225,18 +228,20 @@ class Worker:
                                  batch.session_id)
             return
         rejected: list[P.Result] = []
-        freed: list[int] = []  # slots this message claimed and that are answered now
+        freed: list[int] = []  # slots this message claimed and that are answered now, and their statuses
+        statuses: list[int] = []
         now = time.monotonic()
         for req in batch.requests:
             try:
                 self._admit(session, req, now)
             except Rejected as rej:
                 rejected.append(P.Result(req.request_id, req.slot, req.generation, rej.status, [], rej.message))
-                if rej.claimed:
-                    session.segment.set_state(req.slot, SlotState.FAILED, rej.status)
+                if rej.claimed:  # an unclaimed slot's header belongs to a request in flight: not touched
                     freed.append(req.slot)
+                    statuses.append(rej.status)
         if rejected:
-            session.finish(freed, P.encode_done(P.DoneBatch(session.session_id, rejected)))
+            session.finish(freed, SlotState.FAILED, statuses, P.encode_done(P.DoneBatch(session.session_id,
+                                                                                         rejected)))
 
     def _fast_submit(self, body: bytes) -> bool:
         """Admit a whole SUBMIT whose every request is canonical (see gpu_worker.codec); False: no request was

@@ -8,10 +8,12 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
+import pytest
 
 from client import Client, WorkerDied
 from client.client import Outputs
 from client.errors import ShmBrokerError
+from client.receiving import SLOT_ANSWERS
 from tests.conftest import RunningBroker, arr
 from tests.test_e2e import direct
 
@@ -107,3 +109,29 @@ def test_worker_killed_while_a_caller_waits_in_infer(process_broker: RunningBrok
         c.wait_ready("tiny", timeout=60)
         y = np.ones((1, 256), np.float32)
         np.testing.assert_allclose(arr(c.infer("tiny", y)), direct("tiny", y), rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not SLOT_ANSWERS, reason="answers are read from the slot header only on x86-64 (TSO)")
+def test_infer_reads_answers_from_the_slot_header_and_skips_their_late_done(
+        broker: RunningBroker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spinning caller completes from the slot header; the DONE message that follows completes nothing else."""
+    from_header = 0
+    real = Client.answered_in_slot
+
+    def counted(self: Client, slot: int) -> bool:
+        nonlocal from_header
+        got = real(self, slot)
+        from_header += got
+        return got
+
+    monkeypatch.setattr(Client, "answered_in_slot", counted)
+    rng = np.random.default_rng(11)
+    with Client(spin_us=200_000, slots=2) as c:  # two slots: each is reused while its late DONE may be on the way
+        for _ in range(300):
+            x = rng.standard_normal((1, 256), dtype=np.float32)
+            np.testing.assert_allclose(arr(c.infer("tiny", x)), direct("tiny", x), rtol=0, atol=1e-5)
+        xs = [rng.standard_normal((1, 256), dtype=np.float32) for _ in range(2)]
+        futs = [c.submit("tiny", x) for x in xs]  # the IO thread receives these, behind any late DONEs
+        for f, x in zip(futs, xs, strict=True):
+            np.testing.assert_allclose(arr(f.result(20)), direct("tiny", x), rtol=0, atol=1e-5)
+    assert from_header > 0

@@ -43,7 +43,8 @@ def test_soak_at_80_percent(tmp_path: Path) -> None:
         cap = probe.finish()
         capacity = cap.ok / 5.0
         rate = 0.8 * capacity
-        group = LoadGroup([LoadSpec(b.runtime_dir, in_flight=8, slots=8, rate_per_s=rate / PROCS, seed=i,
+        # room to catch up after a stall: an open-loop sender capped at the probe's 8 in flight falls behind
+        group = LoadGroup([LoadSpec(b.runtime_dir, in_flight=32, slots=32, rate_per_s=rate / PROCS, seed=i,
                                     timeout_s=2.0) for i in range(PROCS)])
         stop, out = SPAWN.Event(), SPAWN.Queue()
         churn = SPAWN.Process(target=churn_sessions, args=(b.runtime_dir, stop, out), daemon=True)
@@ -61,14 +62,15 @@ def test_soak_at_80_percent(tmp_path: Path) -> None:
         t = group.finish()
         base = next((s for s in samples if s[0] >= min(WARMUP_S, SOAK_S / 4)), samples[0])
         growth = (rss_end - base[1]) / base[1]
-        print(f"soak {SOAK_S:.0f} s: capacity {capacity:.0f}/s, offered {t.offered_per_s:.0f}/s, {t.submitted} "
+        print(f"soak {SOAK_S:.0f} s: capacity {capacity:.0f}/s, offered {t.offered_per_s:.0f}/s "
+              f"({100 * t.offered_per_s / capacity:.1f} %), served {t.ok / SOAK_S:.0f}/s, {t.submitted} "
               f"submitted, {t.ok} ok, failed {t.failed}; {sessions} sessions opened and closed "
               f"({churn_errors} errors); RSS broker+worker {base[1] >> 20} -> {rss_end >> 20} MiB "
               f"({100 * growth:+.2f} %), fds {base[2]} -> {fds_end} (max {max(s[2] for s in samples)}), "
               f"segments max {max(s[3] for s in samples)}")
         assert_accounted(t)
-        # the senders share the cores with the worker: they reach 70-100 % of the 80 % asked for
-        assert t.offered_per_s >= 0.5 * capacity, "the load generator could not offer the load"
+        # the senders share the cores with the worker; a busy machine may cost them a little of the 80 %
+        assert t.offered_per_s >= 0.75 * capacity, "the load generator could not offer the load"
         assert t.failed_total <= 0.001 * t.submitted, t.failed
         assert churn_errors == 0 and sessions > 0
         assert growth < 0.05, f"RSS grew {100 * growth:.1f} %"

@@ -6,10 +6,13 @@ would send them; the Python client would refuse most of them before sending.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from broker import protocol as P
+from broker.ring import SlotState
 from client import Client, Overloaded
 from tests.conftest import RunningBroker, arr
 from tests.rawclient import RawClient
@@ -154,3 +157,33 @@ def test_overload_is_answered_at_once(broker: RunningBroker) -> None:
         err = next(e for f in futs if isinstance(e := f.exception(), Overloaded))
         assert err.code == "OVERLOADED" and "max_queue_size" in str(err)
         np.testing.assert_allclose(arr(c.infer("nsfw", x)), direct("nsfw", x), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("model", "rounds"), [("tiny", 300), ("nsfw", 30)])  # run inline; on the runner thread
+def test_a_slot_reused_as_soon_as_its_header_says_done_is_accepted(raw: RawClient, model: str, rounds: int) -> None:
+    """A spinning client reuses a slot the moment its state word says DONE, before the DONE message; the
+    worker has freed its claim by then, so the next request on that slot is served, not refused BAD_SLOT."""
+    rng = np.random.default_rng(5)
+    shape = raw.models[model].in_item_shapes[0]
+    sent = []
+    for _ in range(rounds):
+        x = rng.standard_normal((1, *shape), dtype=np.float32)
+        req = raw.prepare(0, model, x)
+        raw.send(req)
+        end = time.monotonic() + 20
+        while raw.segment.read_slot(0)[0] == SlotState.SUBMITTED:  # the header, not the DONE message
+            if time.monotonic() > end:
+                pytest.fail("no answer in the slot header within 20 s")
+        state, gen, _rid, status = raw.segment.read_slot(0)
+        assert (state, gen, status) == (SlotState.DONE, req.generation, S.OK)
+        out = raw.models[model].info.outputs[0]
+        np.testing.assert_allclose(raw.segment.output_view(0, 0, np.dtype("float32"), (1, *out.shape[1:])),
+                                   direct(model, x), rtol=0, atol=1e-5)
+        sent.append(req.request_id)
+    answered: list[P.Result] = []
+    while len(answered) < len(sent):
+        results = raw.recv()
+        assert results is not None, f"{len(answered)} of {len(sent)} DONE messages came"
+        answered.extend(results)
+    assert [r.request_id for r in answered] == sent
+    assert {r.status for r in answered} == {S.OK}
