@@ -152,21 +152,17 @@ class Worker:
         # Only a worker process spins: in thread mode the loop shares the broker's GIL.
         spin = SpinPolicy(self.cfg.worker.spin_us * 1000 if self.cfg.broker.worker_mode == "process" else 0)
         while not stop.is_set():
-            if spin.until:
-                self._spin(spin.until)  # (1)
-            events = dict(poller.poll(POLL_MS))
+            if spin.until and self._spin(spin.until):  # (1)
+                # the spin saw data: ask the control socket alone, without a second poll of both
+                events = {self._data: POLLIN}
+                if int(self._ctl.get(zmq.EVENTS)) & POLLIN:
+                    events[self._ctl] = POLLIN
+            else:
+                events = dict(poller.poll(POLL_MS))
             if self._data in events:
                 spin.arrived(time.perf_counter_ns())
-                self._drain_data()
-                ran = 0
-                for m in self.models.values():
-                    for _ in range(INLINE_BATCHES):
-                        if not m.runner.try_inline():
-                            break
-                        ran += 1
-                    else:
-                        m.runner.batcher.kick()  # still more due: the runner thread takes the rest
-                if ran:  # not after slow models: their runner threads need the cores
+                self._drain_data()  # (2)
+                if self._run_inline():  # (3) not after slow models: their runner threads need the cores
                     spin.ran_inline(time.perf_counter_ns())
             if self._ctl in events and not self._drain_control():
                 return
@@ -176,21 +172,38 @@ class Worker:
                 log.error("the broker (pid %d) is gone; worker %d exits", parent, self.worker_id)
                 return
 
-    def _spin(self, until_ns: int) -> None:
+    def _run_inline(self) -> int:
+        """Run due batches of cheap models on this thread (up to INLINE_BATCHES each); returns how many ran."""
+        ran = 0
+        for m in self.models.values():
+            runner = m.runner
+            for _ in range(INLINE_BATCHES):
+                if not len(runner.batcher) or not runner.try_inline():  # an empty queue needs no lock
+                    break
+                ran += 1
+            else:
+                runner.batcher.kick()  # still more due: the runner thread takes the rest
+        return ran
+
+    def _spin(self, until_ns: int) -> bool:
         """Poll the data socket without sleeping until a message is there or ``until_ns`` passes.
 
         Why: on small and virtual machines a core woken from sleep runs the next request two to three
         times slower (cold caches, a slow wake-up), which dominates the round trip of cheap models.
         ``SpinPolicy`` sets ``until_ns``: at most ``worker.spin_us`` after an inline batch, and only while
         requests lately came within that window, so an idle or busy machine's worker sleeps.
+        Returns whether a message is there.
         """
         data = self._data
         clock = time.perf_counter_ns
-        while clock() < until_ns and not data.poll(0):
+        while clock() < until_ns:
+            if data.poll(0):
+                return True
             # Give the core to any thread that is ready (ZeroMQ's IO threads carry the next request in): on
             # a small machine the scheduler would otherwise let a spinner finish its slice first, and the
             # request would wait the whole spin window.
             os.sched_yield()
+        return False
 
     def _close(self) -> None:
         for m in self.models.values():
