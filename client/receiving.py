@@ -28,7 +28,6 @@ from client.session import Link, ModelPlan, RowsLayout
 log = logging.getLogger(__name__)
 
 DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
-POLLIN = int(zmq.POLLIN)  # a plain int: the enum's __and__ costs microseconds on the hot path
 STATE_GEN = struct.Struct("<II")  # a slot header's state and generation words
 STATUS = struct.Struct("<I")
 STATUS_AT = 16
@@ -127,7 +126,7 @@ class Receiving:
         self._cork.on = True  # submits made by callbacks coalesce into one message per worker
         try:
             for _ in range(64):
-                if not int(link.pull.get(zmq.EVENTS)) & POLLIN:
+                if not link.pull_ready.poll(0):
                     break
                 frames = link.pull.recv_multipart(zmq.NOBLOCK)
                 results = self._fast_done(frames)
