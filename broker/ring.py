@@ -40,6 +40,13 @@ SEGMENT_HEADER = struct.Struct("<8sIIIIQQQQQI")
 # state, generation, request_id, status
 SLOT_HEADER = struct.Struct("<IIQI")
 STATE_WORD = struct.Struct("<I")
+STATE_GEN = struct.Struct("<II")  # a slot header's state and generation words, read together on hot paths
+# The submit hint (PROTOCOL 4.2): hint bytes and worker id at +20, then a copy of the request's SUBMIT
+# record and tensor descriptors, which a spinning worker may take instead of waiting for the message.
+HINT = struct.Struct("<HH")
+HINT_AT = 20
+HINT_RECORD_AT = 24
+HINT_CAPACITY = SLOT_HEADER_BYTES - HINT_RECORD_AT
 
 
 class SlotState:
@@ -145,6 +152,11 @@ class Segment:
         self.creator = creator
         self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = memoryview(self._mm)
+        # State words are stored through this: one aligned 4-byte store each. struct.pack_into zero-fills
+        # before it writes, so a reader polling the word (a spinning client or worker) would see 0 for an
+        # instant between SUBMITTED and DONE. (Native order: little-endian on x86-64 and aarch64, as the
+        # protocol's.)
+        self._words = self.buf.cast("I")
         self.nbytes = size
         self.fd = fd  # open until the mapping goes; the client's liveness lock lives on it (broker.liveness)
         self.address = _base_address(self._mm)  # for cudaHostRegister and DMA; valid until close()
@@ -215,12 +227,23 @@ class Segment:
         """Write the slot header with the state word last (after the payload is in place)."""
         base = self.layout.slot_base(slot)
         struct.pack_into("<IQI", self.buf, base + 4, generation, request_id, status)
-        STATE_WORD.pack_into(self.buf, base, state)
+        self._words[base >> 2] = state
+
+    def write_hint(self, slot: int, worker_id: int, record: bytes) -> None:
+        """Copy a request's SUBMIT record and descriptors into the slot header for ``worker_id``, or clear the
+        hint when they do not fit; before ``publish_slot``, which writes the state word."""
+        base = self.layout.slot_bases[slot]
+        n = len(record)
+        if n > HINT_CAPACITY:
+            HINT.pack_into(self.buf, base + HINT_AT, 0, 0)
+            return
+        self.buf[base + HINT_RECORD_AT : base + HINT_RECORD_AT + n] = record
+        HINT.pack_into(self.buf, base + HINT_AT, n, worker_id)
 
     def set_state(self, slot: int, state: int, status: int) -> None:
         base = self.layout.slot_bases[slot]
-        STATE_WORD.pack_into(self.buf, base + 16, status)
-        STATE_WORD.pack_into(self.buf, base, state)
+        self._words[(base + 16) >> 2] = status
+        self._words[base >> 2] = state
 
     # -- tensor views ---------------------------------------------------------------------------------------
     def input_view(self, slot: int, offset: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
@@ -241,6 +264,7 @@ class Segment:
     def close(self) -> None:
         """Unmap now if no view is left, else when the last view goes."""
         try:
+            self._words.release()
             self.buf.release()
         except BufferError:
             log.debug("views of session %d's segment still exist", self.layout.session_id)

@@ -317,12 +317,16 @@ class Client(Receiving):
             raise WorkerDied(f"no live worker serves model {plan.info.name!r} (the broker restarts dead ones)")
         rid = next(self._ids)
         gen = self._gens[slot] = (self._gens[slot] + 1) & 0xFFFF_FFFF
-        self.segment.publish_slot(slot, SlotState.SUBMITTED, gen, rid, 0)
         timeout_us = 0 if timeout is None else max(1, int(timeout * 1e6))
         lay = plan.layout(rows)
+        n_t = len(lay.in_offsets)
+        # a worker spinning on this slot takes the request from here, ahead of the SUBMIT (PROTOCOL 4.2)
+        self.segment.write_hint(slot, link.worker_id,
+                                P.REQUEST.pack(rid, slot, gen, plan.info.model_id, 0, n_t, timeout_us) + lay.in_descs)
+        self.segment.publish_slot(slot, SlotState.SUBMITTED, gen, rid, 0)
         self._pending[slot] = Pending(rid, gen, plan, link.worker_id, on_done, lay)
         link.outstanding += 1
-        link.queue.append((rid, slot, gen, plan.info.model_id, len(lay.in_offsets), timeout_us, lay.in_descs))
+        link.queue.append((rid, slot, gen, plan.info.model_id, n_t, timeout_us, lay.in_descs))
         if not getattr(self._cork, "on", False):
             self._flush(link)
 

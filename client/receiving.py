@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from broker import protocol as P
-from broker.ring import Segment, SlotState
+from broker.ring import STATE_GEN, Segment, SlotState
 from client.errors import ShmBrokerError, WorkerDied
 from client.lead import ReceiveRole
 from client.session import Link, ModelPlan, RowsLayout
@@ -28,7 +28,6 @@ from client.session import Link, ModelPlan, RowsLayout
 log = logging.getLogger(__name__)
 
 DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
-STATE_GEN = struct.Struct("<II")  # a slot header's state and generation words
 STATUS = struct.Struct("<I")
 STATUS_AT = 16
 # Reading an answer from the slot header, with no barrier between the state word and the outputs, relies on

@@ -34,6 +34,9 @@ class WorkerSession:
         self.segment = Segment.open(msg.segment, layout)
         self.layout = layout
         self.in_flight: set[int] = set()
+        # (slot, generation) of requests admitted from their submit hint whose SUBMIT has not come yet; one
+        # entry per hinted request at most, removed when its SUBMIT comes (the client always sends it)
+        self.hinted: set[tuple[int, int]] = set()
         self.detaching = False
         self._lock = threading.Lock()
         # page-locked for DMA (cudaHostRegister) by a GPU worker at first use; never on a CPU worker

@@ -20,10 +20,11 @@ import zmq
 from broker import protocol as P
 from broker import runtime
 from broker.config import Config
-from broker.ring import RingError, SlotState
+from broker.ring import STATE_GEN, RingError, SlotState
 from gpu_worker import cuda, model_source
 from gpu_worker.batcher import Batcher, Queued
 from gpu_worker.engines import Engine, IOSpec, load_engine
+from gpu_worker.hints import Watch, hinted_submit
 from gpu_worker.intake import ModelView, Rejected, check_slot, check_tensors
 from gpu_worker.runner import BatchRunner, Work, make_runner, reply
 from gpu_worker.sessions import WorkerSession
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 POLL_MS = 20
 INLINE_BATCHES = 8  # due batches of a cheap model run inline per wake-up; the runner takes any left
 SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
-STATE_GEN = struct.Struct("<II")  # the first two words of a slot header
 ROWS = struct.Struct("<q")
 ROWS_AT = 24  # dims[0] within a tensor descriptor
 SWEEP_S = 0.002  # how often queued requests are checked for expired deadlines
@@ -105,6 +105,7 @@ class Worker:
         self.models: dict[int, ServedModel] = {}
         self.sessions: dict[int, WorkerSession] = {}
         self._detaching: set[int] = set()
+        self._watch: Watch | None = None  # where the spin looks for a hinted request (gpu_worker.hints)
         self._next_sweep = 0.0
         self._badlog = RateLimitedLog()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -155,12 +156,12 @@ class Worker:
         # Only a worker process spins: in thread mode the loop shares the broker's GIL.
         spin = SpinPolicy(self.cfg.worker.spin_us * 1000 if self.cfg.broker.worker_mode == "process" else 0)
         while not stop.is_set():
-            if spin.until:
-                self._spin(spin.until)  # (1)
-            events = dict(poller.poll(POLL_MS))
-            if self._data in events:
+            hinted = self._spin(spin.until) if spin.until else False  # (1)
+            events = dict(poller.poll(0 if hinted else POLL_MS))
+            if hinted or self._data in events:
                 spin.arrived(time.perf_counter_ns())
-                self._drain_data()  # (2)
+                if self._data in events:
+                    self._drain_data()  # (2)
                 if self._run_inline():  # (3) not after slow models: their runner threads need the cores
                     spin.ran_inline(time.perf_counter_ns())
             if self._ctl in events and not self._drain_control():
@@ -184,23 +185,35 @@ class Worker:
                 runner.batcher.kick()  # still more due: the runner thread takes the rest
         return ran
 
-    def _spin(self, until_ns: int) -> None:
+    def _spin(self, until_ns: int) -> bool:
         """Poll the data socket without sleeping until a message is there or ``until_ns`` passes.
 
         Why: on small and virtual machines a core woken from sleep runs the next request two to three
         times slower (cold caches, a slow wake-up), which dominates the round trip of cheap models.
         ``SpinPolicy`` sets ``until_ns``: at most ``worker.spin_us`` after an inline batch, and only while
-        requests lately came within that window, so an idle or busy machine's worker sleeps.
+        requests lately came within that window, so an idle or busy machine's worker sleeps. It also
+        admits a request hinted in the watched slot (gpu_worker.hints); returns whether it did.
         """
         clock = time.perf_counter_ns
         ready = self._data_ready.poll
         while clock() < until_ns:
             if ready(0):
-                return
+                return False
+            if self._watch is not None and self._take_hint(self._watch):
+                return True
             # Give the core to any thread that is ready (ZeroMQ's IO threads carry the next request in): on
             # a small machine the scheduler would otherwise let a spinner finish its slice first, and the
             # request would wait the whole spin window.
             os.sched_yield()
+        return False
+
+    def _take_hint(self, w: Watch) -> bool:
+        """Admit the request hinted in the watched slot, as if its SUBMIT had come; its SUBMIT is dropped later."""
+        body = hinted_submit(w, self.worker_id)
+        if body is None or not self._fast_submit(body):
+            return False
+        w.session.hinted.add((w.slot, w.generation))
+        return True
 
     def _close(self) -> None:
         for m in self.models.values():
@@ -242,6 +255,9 @@ class Worker:
         statuses: list[int] = []
         now = time.monotonic()
         for req in batch.requests:
+            if (req.slot, req.generation) in session.hinted:
+                session.hinted.discard((req.slot, req.generation))  # admitted from its hint already
+                continue
             try:
                 self._admit(session, req, now)
             except Rejected as rej:
@@ -266,8 +282,13 @@ class Worker:
         buf, bases, max_items = session.segment.buf, session.layout.slot_bases, session.max_items
         n_slots = len(bases)
         accepted = []
+        hinted = session.hinted
+        taken = []  # requests of this message already admitted from their hint: dropped
         records = body[P.SUBMIT_HEADER.size : t_base]
         for rid, slot, gen, model_id, first, count, timeout_us in P.REQUEST.iter_unpack(records):
+            if hinted and (slot, gen) in hinted:
+                taken.append((slot, gen))
+                continue
             m = self.models.get(model_id)
             if m is None or slot >= n_slots or count != m.runner.codec.n_inputs or first > n_t or count > n_t - first:
                 return False
@@ -282,6 +303,10 @@ class Worker:
             accepted.append((m, P.SubmitRequest(rid, slot, gen, model_id, timeout_us, canon[1]), rows))
         if session.detaching or not session.claim_slots([req.slot for _m, req, _r in accepted]):
             return False
+        hinted.difference_update(taken)
+        if accepted:  # the client reuses the slot it gets back: expect its next request there
+            last = accepted[-1][1]
+            self._watch = Watch(session, last.slot, (last.generation + 1) & 0xFFFF_FFFF)
         now = time.monotonic()
         by_model: dict[int, list[Queued[Work]]] = {}
         for m, req, rows in accepted:
@@ -331,6 +356,8 @@ class Worker:
             if s is None or s.idle:
                 self._detaching.discard(sid)
                 if s is not None:
+                    if self._watch is not None and self._watch.session is s:
+                        self._watch = None  # its segment is about to be unmapped
                     s.close()
                     del self.sessions[sid]
                 self._send_ctl(P.DetachOk(sid))

@@ -33,15 +33,22 @@ class RawClient:
         self.gens = [0] * hs.setup.n_slots
         self._rid = 0
 
-    def prepare(self, slot: int, model: str, x: np.ndarray) -> P.SubmitRequest:
-        """Write ``x`` into the slot, publish it SUBMITTED with a new generation; return a correct request."""
+    def prepare(self, slot: int, model: str, x: np.ndarray, hint: bool = False) -> P.SubmitRequest:
+        """Write ``x`` into the slot, publish it SUBMITTED with a new generation; return a correct request.
+
+        ``hint``: also copy the request into the slot header for the worker (PROTOCOL 4.2), as the Python
+        client does."""
         plan = self.models[model]
         self.segment.input_view(slot, 0, x.dtype, x.shape)[...] = x
         self.gens[slot] += 1
         self._rid += 1
-        self.segment.publish_slot(slot, SlotState.SUBMITTED, self.gens[slot], self._rid, 0)
         desc = P.TensorDesc(0, P.dtype_code(x.dtype), 0, x.nbytes, x.shape)
-        return P.SubmitRequest(self._rid, slot, self.gens[slot], plan.info.model_id, 0, [desc])
+        req = P.SubmitRequest(self._rid, slot, self.gens[slot], plan.info.model_id, 0, [desc])
+        if hint:
+            record = P.REQUEST.pack(req.request_id, slot, req.generation, req.model_id, 0, 1, 0) + P.pack_tensor(desc)
+            self.segment.write_hint(slot, self.link.worker_id, record)
+        self.segment.publish_slot(slot, SlotState.SUBMITTED, self.gens[slot], self._rid, 0)
+        return req
 
     def send(self, *reqs: P.SubmitRequest, token: int | None = None, session_id: int | None = None) -> None:
         batch = P.SubmitBatch(session_id or self.session_id, self.token if token is None else token, list(reqs))

@@ -7,6 +7,7 @@ would send them; the Python client would refuse most of them before sending.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,11 +15,12 @@ import pytest
 from broker import protocol as P
 from broker.ring import SlotState
 from client import Client, Overloaded
-from tests.conftest import RunningBroker, arr
+from tests.conftest import TEST_MODELS, RunningBroker, arr, start_broker
 from tests.rawclient import RawClient
 from tests.test_e2e import direct
 
 S = P.Status
+ANSWERED = (SlotState.DONE, SlotState.FAILED)
 
 
 @pytest.fixture
@@ -171,7 +173,7 @@ def test_a_slot_reused_as_soon_as_its_header_says_done_is_accepted(raw: RawClien
         req = raw.prepare(0, model, x)
         raw.send(req)
         end = time.monotonic() + 20
-        while raw.segment.read_slot(0)[0] == SlotState.SUBMITTED:  # the header, not the DONE message
+        while raw.segment.read_slot(0)[0] not in ANSWERED:  # the header, not the DONE message
             if time.monotonic() > end:
                 pytest.fail("no answer in the slot header within 20 s")
         state, gen, _rid, status = raw.segment.read_slot(0)
@@ -187,3 +189,59 @@ def test_a_slot_reused_as_soon_as_its_header_says_done_is_accepted(raw: RawClien
         answered.extend(results)
     assert [r.request_id for r in answered] == sent
     assert {r.status for r in answered} == {S.OK}
+
+
+def answered_in_header(raw: RawClient, slot: int, generation: int, within: float) -> bool:
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        state, gen, _rid, _status = raw.segment.read_slot(slot)
+        if state in ANSWERED and gen == generation:
+            return True
+    return False
+
+
+def test_a_spinning_worker_takes_hinted_requests_and_drops_their_late_submits(tmp_path: Path) -> None:
+    """Requests copied into the slot header are answered before their SUBMIT is sent; the SUBMITs, sent later
+    together, are dropped: every request is answered exactly once, OK, with its own result."""
+    # as configs/default.toml has it: a lone request is due at once and runs inline, after which the
+    # worker process spins (the test config's 2 ms batching delay would hand it to the runner thread)
+    models = TEST_MODELS.replace("max_queue_delay_us = 2000", "max_queue_delay_us = 0", 1)
+    b = start_broker(tmp_path, "process", models=models)
+    raw = RawClient(b.runtime_dir)
+    try:
+        rng = np.random.default_rng(9)
+        xs = [rng.standard_normal((1, 256), dtype=np.float32) for _ in range(8)]
+        refs = [direct("tiny", x) for x in xs]  # beforehand: the worker spins only while requests come quickly
+        held: list[P.SubmitRequest] = []  # answered from their hint: SUBMITs not sent yet
+        order, early = [], 0
+        for i in range(2000):
+            req = raw.prepare(0, "tiny", xs[i % 8], hint=True)
+            order.append(req.request_id)
+            # Three of four requests are sent at once, which keeps the worker spinning between requests
+            # (it spins only while they come quickly); the fourth waits 2 ms for the spinning worker first.
+            if i % 4 == 3 and answered_in_header(raw, 0, req.generation, 0.002):
+                early += 1
+                held.append(req)
+            else:  # the SUBMIT, with the held ones, brings it in
+                raw.send(*held, req)
+                held = []
+                assert answered_in_header(raw, 0, req.generation, 20.0), "no answer within 20 s"
+            state, _gen, _rid, status = raw.segment.read_slot(0)
+            assert (state, status) == (SlotState.DONE, S.OK)
+            got = raw.segment.output_view(0, 0, np.dtype("float32"), (1, 256))
+            assert float(np.abs(got - refs[i % 8]).max()) <= 1e-5, f"request {i}: wrong result"
+            if early >= 20:
+                break
+        if held:
+            raw.send(*held)
+        answered: list[P.Result] = []
+        while len(answered) < len(order):
+            results = raw.recv()
+            assert results is not None, f"{len(answered)} of {len(order)} answers came"
+            answered.extend(results)
+        assert [r.request_id for r in answered] == order and {r.status for r in answered} == {S.OK}
+        assert raw.recv(timeout=0.3) is None, "a dropped SUBMIT was answered"
+        assert early > 0, "no request was taken from its hint"
+    finally:
+        raw.close()
+        assert b.stop() == 0, b.log()
