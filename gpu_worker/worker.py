@@ -304,9 +304,11 @@ class Worker:
         if session.detaching or not session.claim_slots([req.slot for _m, req, _r in accepted]):
             return False
         hinted.difference_update(taken)
-        if accepted:  # the client reuses the slot it gets back: expect its next request there
-            last = accepted[-1][1]
-            self._watch = Watch(session, last.slot, (last.generation + 1) & 0xFFFF_FFFF)
+        if n_req == 1 and accepted:  # one request at a time: its client will reuse the slot it gets back
+            req = accepted[0][1]
+            self._watch = Watch(session, req.slot, (req.generation + 1) & 0xFFFF_FFFF)
+        elif accepted:  # requests coalesced: batches matter more than one round trip, and a hint would be a
+            self._watch = None  # batch of one taken ahead of the rest
         now = time.monotonic()
         by_model: dict[int, list[Queued[Work]]] = {}
         for m, req, rows in accepted:
