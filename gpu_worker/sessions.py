@@ -34,9 +34,9 @@ class WorkerSession:
         self.segment = Segment.open(msg.segment, layout)
         self.layout = layout
         self.in_flight: set[int] = set()
-        # (slot, generation) of requests admitted from their submit hint whose SUBMIT has not come yet; one
-        # entry per hinted request at most, removed when its SUBMIT comes (the client always sends it)
-        self.hinted: set[tuple[int, int]] = set()
+        # (slot, generation) of requests admitted from their submit hint whose SUBMIT has not come yet, oldest
+        # first; an entry goes when its SUBMIT comes (gpu_worker.hints)
+        self.hinted: dict[tuple[int, int], bool] = {}
         self.detaching = False
         self._lock = threading.Lock()
         # page-locked for DMA (cudaHostRegister) by a GPU worker at first use; never on a CPU worker
@@ -90,6 +90,14 @@ class WorkerSession:
             return True
         except zmq.Again:
             return False
+
+    def note_hinted(self, slot: int, generation: int) -> None:
+        """Remember a request admitted from its hint until its SUBMIT comes. Bounded by twice the slots: for a
+        client that never sends the SUBMIT (against the protocol) the oldest entry goes, and a late SUBMIT
+        for it would be refused as stale, not run twice."""
+        self.hinted[(slot, generation)] = True
+        if len(self.hinted) > 2 * self.layout.n_slots:
+            del self.hinted[next(iter(self.hinted))]
 
     def claim_slots(self, slots: list[int]) -> bool:
         """Claim all of them, or (one is in flight or named twice) none."""

@@ -212,7 +212,7 @@ class Worker:
         body = hinted_submit(w, self.worker_id)
         if body is None or not self._fast_submit(body):
             return False
-        w.session.hinted.add((w.slot, w.generation))
+        w.session.note_hinted(w.slot, w.generation)
         return True
 
     def _close(self) -> None:
@@ -255,9 +255,8 @@ class Worker:
         statuses: list[int] = []
         now = time.monotonic()
         for req in batch.requests:
-            if (req.slot, req.generation) in session.hinted:
-                session.hinted.discard((req.slot, req.generation))  # admitted from its hint already
-                continue
+            if session.hinted.pop((req.slot, req.generation), False):
+                continue  # admitted from its hint already
             try:
                 self._admit(session, req, now)
             except Rejected as rej:
@@ -286,7 +285,7 @@ class Worker:
         taken = []  # requests of this message already admitted from their hint: dropped
         records = body[P.SUBMIT_HEADER.size : t_base]
         for rid, slot, gen, model_id, first, count, timeout_us in P.REQUEST.iter_unpack(records):
-            if hinted and (slot, gen) in hinted:
+            if hinted and (slot, gen) in hinted and (slot, gen) not in taken:  # a repeat is checked, as stale
                 taken.append((slot, gen))
                 continue
             m = self.models.get(model_id)
@@ -303,7 +302,8 @@ class Worker:
             accepted.append((m, P.SubmitRequest(rid, slot, gen, model_id, timeout_us, canon[1]), rows))
         if session.detaching or not session.claim_slots([req.slot for _m, req, _r in accepted]):
             return False
-        hinted.difference_update(taken)
+        for key in taken:
+            del hinted[key]
         if n_req == 1 and accepted:  # one request at a time: its client will reuse the slot it gets back
             req = accepted[0][1]
             self._watch = Watch(session, req.slot, (req.generation + 1) & 0xFFFF_FFFF)

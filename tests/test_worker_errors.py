@@ -245,3 +245,32 @@ def test_a_spinning_worker_takes_hinted_requests_and_drops_their_late_submits(tm
     finally:
         raw.close()
         assert b.stop() == 0, b.log()
+
+
+def test_a_submit_naming_a_hinted_request_twice_gets_one_stale_answer(tmp_path: Path) -> None:
+    """The first entry is the hinted request's own SUBMIT (dropped); the repeat is refused, and the worker serves on."""
+    models = TEST_MODELS.replace("max_queue_delay_us = 2000", "max_queue_delay_us = 0", 1)
+    b = start_broker(tmp_path, "process", models=models)
+    raw = RawClient(b.runtime_dir)
+    try:
+        x = np.ones((1, 256), np.float32)
+        for i in range(2000):
+            req = raw.prepare(0, "tiny", x, hint=True)
+            early = i % 4 == 3 and answered_in_header(raw, 0, req.generation, 0.002)
+            raw.send(req, req) if early else raw.send(req)
+            got: list[P.Result] = []
+            while len(got) < (2 if early else 1):
+                results = raw.recv()
+                assert results is not None, "an answer is missing"
+                got.extend(results)
+            if early:
+                assert [(r.request_id, r.status) for r in got] == [(req.request_id, S.OK),
+                                                                    (req.request_id, S.STALE_GENERATION)]
+                break
+            assert [r.status for r in got] == [S.OK]
+        else:
+            pytest.fail("no request was taken from its hint")
+        assert_still_serves(raw)
+    finally:
+        raw.close()
+        assert b.stop() == 0, b.log()
