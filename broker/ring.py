@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from broker.protocol import REQUEST
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"SHMBRNG1"
@@ -229,15 +231,18 @@ class Segment:
         struct.pack_into("<IQI", self.buf, base + 4, generation, request_id, status)
         self._words[base >> 2] = state
 
-    def write_hint(self, slot: int, worker_id: int, record: bytes) -> None:
-        """Copy a request's SUBMIT record and descriptors into the slot header for ``worker_id``, or clear the
-        hint when they do not fit; before ``publish_slot``, which writes the state word."""
+    def write_hint(self, slot: int, worker_id: int, record: tuple[int, ...], descs: bytes) -> None:
+        """Write a request's SUBMIT record (the fields of ``REQUEST``) and packed descriptors into the
+        slot header for ``worker_id``, or clear the hint when they do not fit; before ``publish_slot``, which
+        writes the state word. Packed in place: nothing is allocated per request."""
         base = self.layout.slot_bases[slot]
-        n = len(record)
+        n = REQUEST.size + len(descs)
         if n > HINT_CAPACITY:
             HINT.pack_into(self.buf, base + HINT_AT, 0, 0)
             return
-        self.buf[base + HINT_RECORD_AT : base + HINT_RECORD_AT + n] = record
+        at = base + HINT_RECORD_AT
+        REQUEST.pack_into(self.buf, at, *record)
+        self.buf[at + REQUEST.size : at + n] = descs
         HINT.pack_into(self.buf, base + HINT_AT, n, worker_id)
 
     def set_state(self, slot: int, state: int, status: int) -> None:

@@ -321,8 +321,8 @@ class Client(Receiving):
         lay = plan.layout(rows)
         n_t = len(lay.in_offsets)
         # a worker spinning on this slot takes the request from here, ahead of the SUBMIT (PROTOCOL 4.2)
-        self.segment.write_hint(slot, link.worker_id,
-                                P.REQUEST.pack(rid, slot, gen, plan.info.model_id, 0, n_t, timeout_us) + lay.in_descs)
+        self.segment.write_hint(slot, link.worker_id, (rid, slot, gen, plan.info.model_id, 0, n_t, timeout_us),
+                                lay.in_descs)
         self.segment.publish_slot(slot, SlotState.SUBMITTED, gen, rid, 0)
         self._pending[slot] = Pending(rid, gen, plan, link.worker_id, on_done, lay)
         link.outstanding += 1

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import platform
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from typing import Any
 import zmq
 
 from broker import protocol as P
-from broker.ring import STATE_GEN, Segment, SlotState
+from broker.ring import SLOT_HEADER, STATE_GEN, Segment, SlotState
 from client.errors import ShmBrokerError, WorkerDied
 from client.lead import ReceiveRole
 from client.session import Link, ModelPlan, RowsLayout
@@ -28,8 +27,6 @@ from client.session import Link, ModelPlan, RowsLayout
 log = logging.getLogger(__name__)
 
 DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
-STATUS = struct.Struct("<I")
-STATUS_AT = 16
 # Reading an answer from the slot header, with no barrier between the state word and the outputs, relies on
 # total store order: the worker's output bytes are visible before its state word. x86-64 gives that;
 # elsewhere (ARM) answers come only by their DONE message.
@@ -175,12 +172,12 @@ class Receiving:
         """
         buf = self.segment.buf
         base = self.segment.layout.slot_bases[slot]
-        state, gen = STATE_GEN.unpack_from(buf, base)
-        if state != SlotState.DONE:
+        if STATE_GEN.unpack_from(buf, base)[0] != SlotState.DONE:  # the state word first, alone: the cheap test
             return False
+        _state, gen, _rid, status = SLOT_HEADER.unpack_from(buf, base)
         p = self._pending.get(slot)
         link = self._links.get(p.worker_id) if p is not None else None
-        if p is None or link is None or p.generation != gen or STATUS.unpack_from(buf, base + STATUS_AT)[0]:
+        if p is None or link is None or p.generation != gen or status:
             return False  # an error's message comes only with the DONE message
         self._complete(link, P.Result(p.request_id, slot, gen, 0, p.layout.out_descs))
         return True
