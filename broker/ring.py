@@ -49,6 +49,10 @@ HINT = struct.Struct("<HH")
 HINT_AT = 20
 HINT_RECORD_AT = 24
 HINT_CAPACITY = SLOT_HEADER_BYTES - HINT_RECORD_AT
+# A posted request's slot header after its state word, in one pack: generation, request_id, status,
+# hint_bytes, hint_worker, then the hint's SUBMIT record (REQUEST's fields); NO_HINT when it does not fit.
+POST = struct.Struct("<IQIHH" + REQUEST.format.lstrip("<"))
+NO_HINT = struct.Struct("<IQIHH")
 
 
 class SlotState:
@@ -244,6 +248,22 @@ class Segment:
         REQUEST.pack_into(self.buf, at, *record)
         self.buf[at + REQUEST.size : at + n] = descs
         HINT.pack_into(self.buf, base + HINT_AT, n, worker_id)
+
+    def post_request(self, slot: int, worker_id: int, request_id: int, generation: int, model_id: int,
+                     n_tensors: int, timeout_us: int, descs: bytes) -> None:
+        """A client's request in its slot header: the hint for ``worker_id`` (PROTOCOL 4.2, its descriptors
+        ``descs``), generation and request id, status 0, then the state word SUBMITTED, last. The same bytes
+        as ``write_hint`` then ``publish_slot``, in one pack (the per-request path of the client)."""
+        base = self.layout.slot_bases[slot]
+        n = REQUEST.size + len(descs)
+        if n > HINT_CAPACITY:
+            NO_HINT.pack_into(self.buf, base + 4, generation, request_id, 0, 0, 0)
+        else:
+            POST.pack_into(self.buf, base + 4, generation, request_id, 0, n, worker_id,
+                           request_id, slot, generation, model_id, 0, n_tensors, timeout_us)
+            at = base + HINT_RECORD_AT + REQUEST.size
+            self.buf[at : at + len(descs)] = descs
+        self._words[base >> 2] = SlotState.SUBMITTED
 
     def set_state(self, slot: int, state: int, status: int) -> None:
         base = self.layout.slot_bases[slot]

@@ -37,7 +37,8 @@ class Request:
         self._client._check_may_wait()
         done: Future[P.Result | ShmBrokerError] = Future()
         self.in_flight = True
-        self._client._send(self._slot, self._plan, self._rows, self._timeout, done.set_result, release=False)
+        views = self._client._views_for(self._plan, self._slot, self._rows)
+        self._client._send(self._slot, self._plan, views, self._timeout, done.set_result, release=False)
         wait = (self._timeout if self._timeout is not None else self._plan.info.timeout_ms / 1e3) + GRACE_S
         r = self._client.wait_for(done, wait, self._slot)
         self.in_flight = False

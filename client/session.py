@@ -35,6 +35,17 @@ class RowsLayout:
     out_desc_bytes: bytes  # what a worker's DONE carries for such a request when it packs canonically
 
 
+@dataclass(frozen=True, slots=True)
+class SlotViews:
+    """One slot's tensors for one model and row count, as NumPy views into the ring at the canonical
+    offsets: the client copies inputs in and outputs out through these (no view is built per request)."""
+
+    rows: int
+    layout: RowsLayout
+    ins: tuple[np.ndarray, ...]
+    outs: tuple[np.ndarray, ...]
+
+
 def _descs(dtypes: list[np.dtype[Any]], item_shapes: list[tuple[int, ...]], rows: int) -> list[P.TensorDesc]:
     sizes = [rows * math.prod(s) * d.itemsize for s, d in zip(item_shapes, dtypes, strict=True)]
     offsets = pack_offsets(sizes)[0]
@@ -70,13 +81,15 @@ class ModelPlan:
             self._layouts[rows] = lay
         return lay
 
-    def known_out_descs(self, rows: int) -> list[P.TensorDesc] | None:
-        """The cached canonical output descriptors for ``rows``, if a request of that size was made."""
-        lay = self._layouts.get(rows)
-        return lay.out_descs if lay is not None else None
-
     def input_offsets(self, rows: int) -> list[int]:
         return self.layout(rows).in_offsets
+
+    def slot_views(self, segment: Segment, slot: int, rows: int) -> SlotViews:
+        lay = self.layout(rows)
+        ins = tuple(segment.input_view(slot, off, dt, (rows, *shape))
+                    for off, dt, shape in zip(lay.in_offsets, self.in_dtypes, self.in_item_shapes, strict=True))
+        outs = tuple(segment.output_view(slot, d.offset, self.out_dtypes[d.index], d.shape) for d in lay.out_descs)
+        return SlotViews(rows, lay, ins, outs)
 
 
 class Link:

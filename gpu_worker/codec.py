@@ -9,13 +9,18 @@ holds ``rows``); anything else takes the detailed checks in ``intake``, which na
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 from broker import protocol as P
 from broker.ring import pack_offsets
 from gpu_worker.engines.base import IOSpec
 from gpu_worker.intake import ModelView
 
+if TYPE_CHECKING:
+    from gpu_worker.runner import Work
+
 RESULT_OK = struct.Struct("<QIIIIIIII")
+DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
 
 
 class ModelCodec:
@@ -42,14 +47,17 @@ class ModelCodec:
         ]
         return b"".join(P.pack_tensor(d) for d in descs), descs
 
-    def done_ok(self, session_id: int, done: list[tuple[int, int, int, int]]) -> list[bytes]:
-        """The frames of a DONE that reports (request_id, slot, generation, rows) as OK."""
+    def done_ok(self, session_id: int, done: list[Work]) -> list[bytes]:
+        """The frames of a DONE that reports these requests as OK, their outputs at the canonical offsets."""
         records = []
         tensors = []
         n_t = 0
-        for rid, slot, gen, rows in done:
-            records.append(RESULT_OK.pack(rid, slot, gen, 0, n_t, self.n_outputs, 0, 0, 0))
-            tensors.append(self.outputs[rows][1])
-            n_t += self.n_outputs
+        n_out = self.n_outputs
+        outputs = self.outputs
+        for w in done:
+            req = w.req
+            records.append(RESULT_OK.pack(req.request_id, req.slot, req.generation, 0, n_t, n_out, 0, 0, 0))
+            tensors.append(outputs[w.rows][1])
+            n_t += n_out
         head = P.DONE_HEADER.pack(session_id, len(done), n_t, 0)
-        return [P.envelope(P.MsgKind.DONE), b"".join([head, *records, *tensors])]
+        return [DONE_ENVELOPE, b"".join([head, *records, *tensors])]

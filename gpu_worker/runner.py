@@ -79,20 +79,19 @@ def reply(works: list[Work], status: P.Status, message: str) -> None:
     for w in works:
         by_session[w.session].append(P.Result(w.req.request_id, w.req.slot, w.req.generation, status, [], message))
     for session, results in by_session.items():
-        session.finish([r.slot for r in results], SlotState.FAILED, [status] * len(results),
+        session.finish([r.slot for r in results], SlotState.FAILED, status,
                        P.encode_done(P.DoneBatch(session.session_id, results)))
 
 
 def complete_ok(codec: ModelCodec, counters: ModelCounters, works: list[Work]) -> None:
     """Answer a batch whose outputs are already in each request's slot (canonical offsets): state DONE, one
     DONE message per session, slots freed with it."""
-    done: dict[WorkerSession, list[tuple[int, int, int, int]]] = defaultdict(list)
+    done: dict[WorkerSession, list[Work]] = defaultdict(list)
     for w in works:
-        req = w.req
-        done[w.session].append((req.request_id, req.slot, req.generation, w.rows))
+        done[w.session].append(w)
     counters.count(P.Status.OK, len(works))
     for session, items in done.items():
-        session.finish([slot for _r, slot, _g, _n in items], SlotState.DONE, [P.Status.OK] * len(items),
+        session.finish([w.req.slot for w in items], SlotState.DONE, P.Status.OK,
                        codec.done_ok(session.session_id, items))
 
 

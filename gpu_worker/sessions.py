@@ -59,9 +59,9 @@ class WorkerSession:
             self.segment.close()
             raise
 
-    def finish(self, slots: list[int], state: int, statuses: list[int], frames: list[bytes]) -> None:
-        """Answer claimed slots in one step under the session lock: free the claims, write each slot's status and
-        ``state`` word, queue the DONE.
+    def finish(self, slots: list[int], state: int, statuses: int | list[int], frames: list[bytes]) -> None:
+        """Answer claimed slots in one step under the session lock: free the claims, write each slot's status
+        (one for all, or one each) and ``state`` word, queue the DONE.
 
         Claims are freed before the state words are written: a client that reads DONE in the slot header
         (client.lead) reuses the slot at once, and its next SUBMIT must find the slot unclaimed; intake
@@ -71,8 +71,12 @@ class WorkerSession:
         with self._lock:
             self.in_flight.difference_update(slots)
             set_state = self.segment.set_state
-            for slot, status in zip(slots, statuses, strict=True):
-                set_state(slot, state, status)
+            if isinstance(statuses, int):
+                for slot in slots:
+                    set_state(slot, state, statuses)
+            else:
+                for slot, status in zip(slots, statuses, strict=True):
+                    set_state(slot, state, status)
             if self._outbox or not self._try_send(frames):
                 self._outbox.append(frames)
 

@@ -284,17 +284,22 @@ class Worker:
         hinted = session.hinted
         taken = []  # requests of this message already admitted from their hint: dropped
         records = body[P.SUBMIT_HEADER.size : t_base]
+        t_size = P.TENSOR.size
         for rid, slot, gen, model_id, first, count, timeout_us in P.REQUEST.iter_unpack(records):
             if hinted and (slot, gen) in hinted and (slot, gen) not in taken:  # a repeat is checked, as stale
                 taken.append((slot, gen))
                 continue
             m = self.models.get(model_id)
-            if m is None or slot >= n_slots or count != m.runner.codec.n_inputs or first > n_t or count > n_t - first:
+            if m is None:
                 return False
-            start = t_base + P.TENSOR.size * first
+            codec = m.runner.codec
+            if slot >= n_slots or count != codec.n_inputs or first > n_t or count > n_t - first:
+                return False
+            start = t_base + t_size * first
             rows = ROWS.unpack_from(body, start + ROWS_AT)[0]
-            canon = m.runner.codec.inputs.get(rows)
-            if canon is None or rows > max_items or body[start : start + P.TENSOR.size * count] != canon[0]:
+            canon = codec.inputs.get(rows)
+            # canon[0] is exactly count descriptors long: startswith compares them in place, without a copy
+            if canon is None or rows > max_items or not body.startswith(canon[0], start):
                 return False
             state, generation = STATE_GEN.unpack_from(buf, bases[slot])
             if state != SlotState.SUBMITTED or generation != gen:
