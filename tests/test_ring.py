@@ -339,6 +339,25 @@ def test_publish_and_read_slot_across_mappings(segments: SegmentFactory, opened:
     assert R.SEGMENT_HEADER.unpack_from(other.buf, 0)[0] == R.MAGIC
 
 
+@pytest.mark.parametrize("n_descs", [1, 2, 3, 4])  # 3 and 4 descriptors do not fit the hint capacity
+def test_post_request_writes_what_write_hint_then_publish_slot_write(segments: SegmentFactory, n_descs: int) -> None:
+    seg = segments(LAYOUT)
+    descs = bytes(range(64)) * n_descs
+    for slot in (1, 2):  # a slot of old garbage, so a missed byte shows
+        seg.buf[LAYOUT.slot_base(slot) : LAYOUT.slot_base(slot) + R.SLOT_HEADER_BYTES] = b"\xee" * R.SLOT_HEADER_BYTES
+    seg.post_request(1, 3, 2**64 - 2, 2**32 - 1, 9, n_descs, 123456, descs)
+    seg.write_hint(2, 3, (2**64 - 2, 1, 2**32 - 1, 9, 0, n_descs, 123456), descs)  # slot 1's record, in slot 2
+    seg.publish_slot(2, SlotState.SUBMITTED, 2**32 - 1, 2**64 - 2, 0)
+    posted = bytes(seg.buf[LAYOUT.slot_base(1) : LAYOUT.slot_base(1) + R.SLOT_HEADER_BYTES])
+    reference = bytes(seg.buf[LAYOUT.slot_base(2) : LAYOUT.slot_base(2) + R.SLOT_HEADER_BYTES])
+    fits = R.REQUEST.size + len(descs) <= R.HINT_CAPACITY
+    assert R.HINT.unpack_from(posted, R.HINT_AT) == ((R.REQUEST.size + len(descs), 3) if fits else (0, 0))
+    assert seg.read_slot(1) == (SlotState.SUBMITTED, 2**32 - 1, 2**64 - 2, 0)
+    # past the hint's end, both leave the old bytes alone
+    end = R.HINT_RECORD_AT + R.REQUEST.size + len(descs) if fits else R.HINT_RECORD_AT
+    assert posted[:end] == reference[:end] and posted[end:] == b"\xee" * (R.SLOT_HEADER_BYTES - end)
+
+
 def test_last_slot_is_usable(segments: SegmentFactory) -> None:
     seg = segments(LAYOUT)
     last = LAYOUT.n_slots - 1
