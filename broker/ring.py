@@ -270,6 +270,15 @@ class Segment:
         self._words[(base + 16) >> 2] = status
         self._words[base >> 2] = state
 
+    def set_states(self, slots: list[int], state: int, statuses: int | list[int]) -> None:
+        """``set_state`` for each slot: one status for all, or one each."""
+        words, bases = self._words, self.layout.slot_bases
+        each = [statuses] * len(slots) if isinstance(statuses, int) else statuses
+        for slot, status in zip(slots, each, strict=True):
+            base = bases[slot]
+            words[(base + 16) >> 2] = status
+            words[base >> 2] = state
+
     # -- tensor views ---------------------------------------------------------------------------------------
     def input_view(self, slot: int, offset: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
         return self._view(self.layout.input_base(slot), self.layout.in_capacity, offset, dtype, shape, "input")

@@ -119,49 +119,60 @@ class Receiving:
         return (full, control), links
 
     def _drain_done(self, link: Link) -> None:
+        """Receive and complete the DONEs waiting on ``link`` (its caller's poll said one is there)."""
         self._cork.on = True  # submits made by callbacks coalesce into one message per worker
         try:
-            for _ in range(64):
-                if not link.pull_ready.poll(0):
+            for k in range(64):
+                if k and not link.pull_ready.poll(0):
                     break
-                frames = link.pull.recv_multipart(zmq.NOBLOCK)
-                results = self._fast_done(frames)
-                if results is None:
-                    try:
-                        if P.read_envelope(frames) != P.MsgKind.DONE:
-                            raise P.ProtocolError("a reply socket carries only DONE")
-                        results = P.decode_done(frames[1]).results
-                    except P.ProtocolError as exc:
-                        log.error("malformed DONE from worker %d: %s", link.worker_id, exc)
-                        continue
+                try:
+                    frames = link.pull.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if self._fast_done(link, frames):
+                    continue
+                try:
+                    if P.read_envelope(frames) != P.MsgKind.DONE:
+                        raise P.ProtocolError("a reply socket carries only DONE")
+                    results = P.decode_done(frames[1]).results
+                except P.ProtocolError as exc:
+                    log.error("malformed DONE from worker %d: %s", link.worker_id, exc)
+                    continue
                 for r in results:
                     self._complete(link, r)
         finally:
             self._cork.on = False
         self._flush_all()
 
-    def _fast_done(self, frames: list[bytes]) -> list[P.Result] | None:
-        """Results of a DONE whose every result is OK with the canonical output layout; else None."""
+    def _fast_done(self, link: Link, frames: list[bytes]) -> bool:
+        """Complete the requests of a DONE whose every result is OK with the canonical output layout (True);
+        otherwise complete none (False: the caller decodes the message in full)."""
         if len(frames) != 2 or frames[0] != DONE_ENVELOPE or len(frames[1]) < P.DONE_HEADER.size:
-            return None
+            return False
         body = frames[1]
         _sid, n_res, n_t, text_len = P.DONE_HEADER.unpack_from(body)
         t_base = P.DONE_HEADER.size + P.RESULT.size * n_res
-        if len(body) != t_base + P.TENSOR.size * n_t + text_len:
-            return None
-        out = []
+        t_size = P.TENSOR.size
+        if len(body) != t_base + t_size * n_t + text_len:
+            return False
+        pending = self._pending
+        hits = []
         for rid, slot, gen, status, first, count, _mo, _ml, _r in P.RESULT.iter_unpack(body[P.DONE_HEADER.size:t_base]):
-            p = self._pending.get(slot)
+            p = pending.get(slot)
             if p is None or p.request_id != rid or p.generation != gen:
                 continue  # already answered from the slot header (answered_in_slot), or not in flight
-            if status or first > n_t or count > n_t - first:
-                return None
             lay = p.layout
-            start = t_base + P.TENSOR.size * first
-            if body[start : start + P.TENSOR.size * count] != lay.out_desc_bytes:
-                return None
-            out.append(P.Result(rid, slot, gen, 0, lay.out_descs))
-        return out
+            if (status or first > n_t or count != len(lay.out_descs) or count > n_t - first
+                    or not body.startswith(lay.out_desc_bytes, t_base + t_size * first)):
+                return False
+            hits.append((slot, p))
+        for slot, p in hits:
+            # a callback may have reused a slot answered before it: the entry must still be this request's
+            if pending.get(slot) is p:
+                del pending[slot]
+                link.outstanding -= 1
+                p.on_done(p.layout.ok)
+        return True
 
     def answered_in_slot(self, slot: int) -> bool:
         """Complete the request in flight in ``slot`` if its header already says DONE with status OK; its DONE
@@ -179,7 +190,9 @@ class Receiving:
         link = self._links.get(p.worker_id) if p is not None else None
         if p is None or link is None or p.generation != gen or status:
             return False  # an error's message comes only with the DONE message
-        self._complete(link, P.Result(p.request_id, slot, gen, 0, p.layout.out_descs))
+        del self._pending[slot]
+        link.outstanding -= 1
+        p.on_done(p.layout.ok)
         return True
 
     def _complete(self, link: Link, r: P.Result | ShmBrokerError, slot: int | None = None) -> None:

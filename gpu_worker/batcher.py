@@ -63,16 +63,22 @@ class Batcher(Generic[T]):
                 self._cond.notify()
         return True
 
-    def put_many(self, entries: list[Queued[T]], wake: bool = True) -> int:
-        """Queue entries in order under one lock; returns how many fitted (the rest get OVERLOADED)."""
+    def put_many(self, entries: list[Queued[T]], wake: bool = True, items: int | None = None) -> int:
+        """Queue entries in order under one lock; returns how many fitted (the rest get OVERLOADED).
+        ``items``: the entries' total rows, when the caller has it (counted here otherwise)."""
         with self._cond:
             room = 0 if self._closed else max(0, self.max_queue_size - len(self._q))
-            taken = entries[:room]
-            self._q.extend(taken)
-            self._items += sum(e.items for e in taken)
+            if room >= len(entries):
+                self._q.extend(entries)
+                self._items += items if items is not None else sum(e.items for e in entries)
+                taken = len(entries)
+            else:
+                self._q.extend(entries[:room])
+                self._items += sum(e.items for e in entries[:room])
+                taken = room
             if wake and taken:
                 self._cond.notify()
-        return len(taken)
+        return taken
 
     def kick(self) -> None:
         """Wake the runner if anything is queued."""
@@ -144,6 +150,8 @@ class Batcher(Generic[T]):
         if self._items >= self.max_batch or (self.preferred and self._items >= self.preferred[0]):
             return 0.0
         wait_until = self._q[0].enqueued + self.delay
+        if wait_until <= now:  # the common case of a zero delay: no need to look for the soonest deadline
+            return 0.0
         soonest_deadline = min(e.deadline for e in self._q)
         return max(0.0, min(wait_until, soonest_deadline) - now)
 

@@ -188,6 +188,7 @@ class ModelRunner(BatchRunner):
         self._bufs = [np.empty((model.max_batch, *s.item_shape), dtype=s.dtype) for s in model.inputs]
         self._buf_bytes = [b.data.cast("B") for b in self._bufs]
         self._in_item_bytes = [s.item_bytes for s in model.inputs]
+        self._out_item_bytes = [s.item_bytes for s in model.outputs]
 
     def _run(self, take: Take[Work]) -> None:
         self.answer_timed_out(take)  # (2)
@@ -212,28 +213,31 @@ class ModelRunner(BatchRunner):
             w = works[0]
             return dict(zip(names, input_arrays(w.session, w.req, self.model), strict=True)), w.rows
         row = 0
+        item_bytes, buf_bytes = self._in_item_bytes, self._buf_bytes
         for w in works:
             seg = w.session.segment
-            base = seg.layout.input_base(w.req.slot)
+            base = seg.layout.input_bases[w.req.slot]
             for t in w.req.tensors:  # in any order: ``index`` says which input (checked unique at intake)
-                ib = self._in_item_bytes[t.index]
+                ib = item_bytes[t.index]
+                start = base + t.offset
                 # a plain memcpy from the slot into the batch buffer; the descriptor was checked at intake
-                self._buf_bytes[t.index][row * ib : (row + w.rows) * ib] = seg.buf[base + t.offset :
-                                                                                   base + t.offset + t.nbytes]
+                buf_bytes[t.index][row * ib : (row + w.rows) * ib] = seg.buf[start : start + t.nbytes]
             row += w.rows
         return {n: b[:row] for n, b in zip(names, self._bufs, strict=True)}, row
 
     def _complete(self, works: list[Work], outputs: list[np.ndarray]) -> None:
         sources = [np.ascontiguousarray(a, dtype=s.dtype).data.cast("B") for a, s in zip(outputs, self.model.outputs,
                                                                                           strict=True)]
-        item_bytes = [s.item_bytes for s in self.model.outputs]
+        item_bytes = self._out_item_bytes
+        canon = self.codec.outputs
         row = 0
         for w in works:
-            seg, req, rows = w.session.segment, w.req, w.rows
-            base = seg.layout.output_bases[req.slot]
-            for src, ib, off in zip(sources, item_bytes, self.codec.outputs[rows][0], strict=True):
+            seg, rows = w.session.segment, w.rows
+            base = seg.layout.output_bases[w.req.slot]
+            for src, ib, off in zip(sources, item_bytes, canon[rows][0], strict=True):
                 # canonical offsets, which fit out_capacity for every row count the session allows
-                seg.buf[base + off : base + off + rows * ib] = src[row * ib : (row + rows) * ib]
+                start = base + off
+                seg.buf[start : start + rows * ib] = src[row * ib : (row + rows) * ib]
             row += rows
         complete_ok(self.codec, self.counters, works)
 

@@ -70,13 +70,7 @@ class WorkerSession:
         """
         with self._lock:
             self.in_flight.difference_update(slots)
-            set_state = self.segment.set_state
-            if isinstance(statuses, int):
-                for slot in slots:
-                    set_state(slot, state, statuses)
-            else:
-                for slot, status in zip(slots, statuses, strict=True):
-                    set_state(slot, state, status)
+            self.segment.set_states(slots, state, statuses)
             if self._outbox or not self._try_send(frames):
                 self._outbox.append(frames)
 
@@ -105,10 +99,11 @@ class WorkerSession:
 
     def claim_slots(self, slots: list[int]) -> bool:
         """Claim all of them, or (one is in flight or named twice) none."""
+        claim = set(slots)
         with self._lock:
-            if len(set(slots)) != len(slots) or not self.in_flight.isdisjoint(slots):
+            if len(claim) != len(slots) or not self.in_flight.isdisjoint(claim):
                 return False
-            self.in_flight.update(slots)
+            self.in_flight |= claim
             return True
 
     def claim_slot(self, slot: int) -> bool:

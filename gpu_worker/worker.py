@@ -280,7 +280,10 @@ class Worker:
             return False
         buf, bases, max_items = session.segment.buf, session.layout.slot_bases, session.max_items
         n_slots = len(bases)
-        accepted = []
+        now = time.monotonic()
+        # per model: its entries in order, and their rows; queued only once every request passed
+        by_model: dict[int, tuple[ServedModel, list[Queued[Work]], list[int]]] = {}
+        slots = []
         hinted = session.hinted
         taken = []  # requests of this message already admitted from their hint: dropped
         records = body[P.SUBMIT_HEADER.size : t_base]
@@ -304,24 +307,25 @@ class Worker:
             state, generation = STATE_GEN.unpack_from(buf, bases[slot])
             if state != SlotState.SUBMITTED or generation != gen:
                 return False
-            accepted.append((m, P.SubmitRequest(rid, slot, gen, model_id, timeout_us, canon[1]), rows))
-        if session.detaching or not session.claim_slots([req.slot for _m, req, _r in accepted]):
+            group = by_model.get(model_id)
+            if group is None:
+                group = by_model[model_id] = (m, [], [])
+            deadline = now + (timeout_us / 1e6 if timeout_us else m.view.timeout_ms / 1e3)
+            group[1].append(Queued(Work(session, P.SubmitRequest(rid, slot, gen, model_id, timeout_us, canon[1]), rows),
+                                   rows, deadline, now))
+            group[2].append(rows)
+            slots.append(slot)
+        if session.detaching or not session.claim_slots(slots):
             return False
         for key in taken:
             del hinted[key]
-        if n_req == 1 and accepted:  # one request at a time: its client will reuse the slot it gets back
-            req = accepted[0][1]
-            self._watch = Watch(session, req.slot, (req.generation + 1) & 0xFFFF_FFFF)
-        elif accepted:  # requests coalesced: batches matter more than one round trip, and a hint would be a
+        if n_req == 1 and slots:  # one request at a time: its client will reuse the slot it gets back
+            entry = next(iter(by_model.values()))[1][0]
+            self._watch = Watch(session, entry.item.req.slot, (entry.item.req.generation + 1) & 0xFFFF_FFFF)
+        elif slots:  # requests coalesced: batches matter more than one round trip, and a hint would be a
             self._watch = None  # batch of one taken ahead of the rest
-        now = time.monotonic()
-        by_model: dict[int, list[Queued[Work]]] = {}
-        for m, req, rows in accepted:
-            timeout = req.timeout_us / 1e6 if req.timeout_us else m.view.timeout_ms / 1e3
-            by_model.setdefault(req.model_id, []).append(Queued(Work(session, req, rows), rows, now + timeout, now))
-        for model_id, entries in by_model.items():
-            m = self.models[model_id]
-            fitted = m.runner.batcher.put_many(entries, wake=not m.runner.cheap)
+        for m, entries, rows_each in by_model.values():
+            fitted = m.runner.batcher.put_many(entries, wake=not m.runner.cheap, items=sum(rows_each))
             if fitted < len(entries):
                 m.runner.counters.count(P.Status.OVERLOADED, len(entries) - fitted)
                 reply([e.item for e in entries[fitted:]], P.Status.OVERLOADED,
