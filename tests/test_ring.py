@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from broker import protocol as P
 from broker import ring as R
 from broker.ring import RingError, RingLayout, Segment, SlotState
 
@@ -350,11 +351,11 @@ def test_post_request_writes_what_write_hint_then_publish_slot_write(segments: S
     seg.publish_slot(2, SlotState.SUBMITTED, 2**32 - 1, 2**64 - 2, 0)
     posted = bytes(seg.buf[LAYOUT.slot_base(1) : LAYOUT.slot_base(1) + R.SLOT_HEADER_BYTES])
     reference = bytes(seg.buf[LAYOUT.slot_base(2) : LAYOUT.slot_base(2) + R.SLOT_HEADER_BYTES])
-    fits = R.REQUEST.size + len(descs) <= R.HINT_CAPACITY
-    assert R.HINT.unpack_from(posted, R.HINT_AT) == ((R.REQUEST.size + len(descs), 3) if fits else (0, 0))
+    fits = P.REQUEST.size + len(descs) <= R.HINT_CAPACITY
+    assert R.HINT.unpack_from(posted, R.HINT_AT) == ((P.REQUEST.size + len(descs), 3) if fits else (0, 0))
     assert seg.read_slot(1) == (SlotState.SUBMITTED, 2**32 - 1, 2**64 - 2, 0)
     # past the hint's end, both leave the old bytes alone
-    end = R.HINT_RECORD_AT + R.REQUEST.size + len(descs) if fits else R.HINT_RECORD_AT
+    end = R.HINT_RECORD_AT + P.REQUEST.size + len(descs) if fits else R.HINT_RECORD_AT
     assert posted[:end] == reference[:end] and posted[end:] == b"\xee" * (R.SLOT_HEADER_BYTES - end)
 
 
