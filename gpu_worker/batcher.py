@@ -12,26 +12,44 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 
 
+class Entry(Protocol):
+    """What the batcher reads of a queued request (the worker's ``runner.Work`` is one: no wrapper per request)."""
+
+    @property
+    def rows(self) -> int: ...  # batch rows this request brings
+
+    @property
+    def deadline(self) -> float: ...  # time.monotonic() seconds
+
+    @property
+    def enqueued(self) -> float: ...
+
+
+E = TypeVar("E", bound=Entry)
+
+
 @dataclass(slots=True)
 class Queued(Generic[T]):
+    """An entry that carries any item."""
+
     item: T
-    items: int  # batch rows this request brings
-    deadline: float  # time.monotonic() seconds
+    rows: int
+    deadline: float
     enqueued: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
-class Take(Generic[T]):
-    batch: list[Queued[T]]
-    expired: list[Queued[T]]
+class Take(Generic[E]):
+    batch: list[E]
+    expired: list[E]
 
 
-class Batcher(Generic[T]):
+class Batcher(Generic[E]):
     """Thread-safe: ``put`` and ``expire`` from the intake thread, ``take`` from the model's runner."""
 
     def __init__(
@@ -41,7 +59,7 @@ class Batcher(Generic[T]):
         self.delay = max_queue_delay_us / 1e6
         self.preferred = sorted(set(preferred))
         self.max_queue_size = max_queue_size
-        self._q: deque[Queued[T]] = deque()
+        self._q: deque[E] = deque()
         self._items = 0
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -49,7 +67,7 @@ class Batcher(Generic[T]):
     def __len__(self) -> int:
         return len(self._q)
 
-    def put(self, entry: Queued[T], wake: bool = True) -> bool:
+    def put(self, entry: E, wake: bool = True) -> bool:
         """Queue a request; False when the queue is full (the caller answers OVERLOADED).
 
         ``wake=False`` leaves the runner asleep: the caller will run the batch itself or ``kick()``.
@@ -58,23 +76,23 @@ class Batcher(Generic[T]):
             if self._closed or len(self._q) >= self.max_queue_size:
                 return False
             self._q.append(entry)
-            self._items += entry.items
+            self._items += entry.rows
             if wake:
                 self._cond.notify()
         return True
 
-    def put_many(self, entries: list[Queued[T]], wake: bool = True, items: int | None = None) -> int:
+    def put_many(self, entries: list[E], wake: bool = True, rows: int | None = None) -> int:
         """Queue entries in order under one lock; returns how many fitted (the rest get OVERLOADED).
-        ``items``: the entries' total rows, when the caller has it (counted here otherwise)."""
+        ``rows``: the entries' total rows, when the caller has it (counted here otherwise)."""
         with self._cond:
             room = 0 if self._closed else max(0, self.max_queue_size - len(self._q))
             if room >= len(entries):
                 self._q.extend(entries)
-                self._items += items if items is not None else sum(e.items for e in entries)
+                self._items += rows if rows is not None else sum(e.rows for e in entries)
                 taken = len(entries)
             else:
                 self._q.extend(entries[:room])
-                self._items += sum(e.items for e in entries[:room])
+                self._items += sum(e.rows for e in entries[:room])
                 taken = room
             if wake and taken:
                 self._cond.notify()
@@ -86,25 +104,25 @@ class Batcher(Generic[T]):
             if self._q:
                 self._cond.notify()
 
-    def expire(self, now: float) -> list[Queued[T]]:
+    def expire(self, now: float) -> list[E]:
         """Remove and return every request whose deadline has passed."""
         with self._cond:
             return self._drop_expired(now)
 
-    def remove(self, match: Callable[[T], bool]) -> list[Queued[T]]:
-        """Remove and return the queued requests whose item ``match``es (a closing session's, say)."""
+    def remove(self, match: Callable[[E], bool]) -> list[E]:
+        """Remove and return the queued requests that ``match`` (a closing session's, say)."""
         with self._cond:
-            gone = [e for e in self._q if match(e.item)]
+            gone = [e for e in self._q if match(e)]
             if gone:
-                self._q = deque(e for e in self._q if not match(e.item))
-                self._items -= sum(e.items for e in gone)
+                self._q = deque(e for e in self._q if not match(e))
+                self._items -= sum(e.rows for e in gone)
         return gone
 
     def next_deadline(self) -> float | None:
         with self._cond:
             return min((e.deadline for e in self._q), default=None)
 
-    def close(self) -> list[Queued[T]]:
+    def close(self) -> list[E]:
         """Stop handing out batches; return what was still queued (the caller answers it)."""
         with self._cond:
             self._closed = True
@@ -114,7 +132,7 @@ class Batcher(Generic[T]):
             self._cond.notify_all()
         return left
 
-    def take_now(self) -> Take[T] | None:
+    def take_now(self) -> Take[E] | None:
         """A batch if one is due right now (or requests expired), else None; never blocks."""
         with self._cond:
             now = time.monotonic()
@@ -123,7 +141,7 @@ class Batcher(Generic[T]):
                 return Take(self._pop_batch(), expired)
             return Take([], expired) if expired else None
 
-    def take(self, timeout: float | None = None) -> Take[T] | None:
+    def take(self, timeout: float | None = None) -> Take[E] | None:
         """Block until a batch is due (or requests expired); None after ``timeout`` or once closed."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -162,24 +180,24 @@ class Batcher(Generic[T]):
             return reached[-1]
         return self.max_batch
 
-    def _pop_batch(self) -> list[Queued[T]]:
+    def _pop_batch(self) -> list[E]:
         target = self._target()
-        batch: list[Queued[T]] = []
+        batch: list[E] = []
         rows = 0
-        while self._q and rows + self._q[0].items <= target:
+        while self._q and rows + self._q[0].rows <= target:
             e = self._q.popleft()
-            rows += e.items
+            rows += e.rows
             batch.append(e)
         if not batch and self._q:  # never starve a request that alone exceeds a preferred size
             batch.append(self._q.popleft())
-            rows = batch[0].items
+            rows = batch[0].rows
         self._items -= rows
         return batch
 
-    def _drop_expired(self, now: float) -> list[Queued[T]]:
+    def _drop_expired(self, now: float) -> list[E]:
         if not self._q or min(e.deadline for e in self._q) > now:
             return []
         expired = [e for e in self._q if e.deadline <= now]
         self._q = deque(e for e in self._q if e.deadline > now)
-        self._items -= sum(e.items for e in expired)
+        self._items -= sum(e.rows for e in expired)
         return expired

@@ -135,7 +135,7 @@ class PipelineRunner(BatchRunner):
             return
         now = time.monotonic()
         self.stages["queue"].add_all([(now - e.enqueued) * 1e6 for e in take.batch])
-        works = [e.item for e in take.batch]
+        works = take.batch
         try:
             slot.rows = self._enqueue(slot, works)  # (3)-(6)
         except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker

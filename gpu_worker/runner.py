@@ -18,7 +18,7 @@ import numpy as np
 
 from broker import protocol as P
 from broker.ring import SlotState
-from gpu_worker.batcher import Batcher, Queued, Take
+from gpu_worker.batcher import Batcher, Take
 from gpu_worker.codec import ModelCodec
 from gpu_worker.engines.base import DeviceEngine, Engine, is_device_engine
 from gpu_worker.histogram import Histogram
@@ -31,15 +31,19 @@ INLINE_BELOW_S = 200e-6
 # One sample moves the average by at most a tenth of this: a run stretched by the hypervisor or a
 # preempted core (milliseconds on a busy virtual machine) must not flip a cheap model to its runner thread.
 RUN_SAMPLE_CAP_S = 2 * INLINE_BELOW_S
+_STATUS_NAMES = {s: s.name for s in P.Status}
 
 
 @dataclass(slots=True)
 class Work:
-    """A checked request waiting for, or in, a batch; its slot is claimed in ``session.in_flight``."""
+    """A checked request waiting for, or in, a batch (the batcher's entry); its slot is claimed in
+    ``session.in_flight``."""
 
     session: WorkerSession
     req: P.SubmitRequest
     rows: int
+    deadline: float  # time.monotonic() seconds
+    enqueued: float
 
 
 class ModelCounters:
@@ -56,8 +60,9 @@ class ModelCounters:
         self.stages: dict[str, Histogram] = {}
 
     def count(self, status: P.Status, n: int = 1) -> None:
+        name = _STATUS_NAMES[status]  # Enum.name is a property: a dict lookup is cheaper per batch
         with self._lock:
-            self.requests[status.name] += n
+            self.requests[name] += n
 
     def batch(self, rows: int) -> None:
         with self._lock:
@@ -122,10 +127,10 @@ class BatchRunner:
         self._thread.join(timeout=30)
         self.answer_expired(left, P.Status.SHUTTING_DOWN, "the worker is shutting down")
 
-    def answer_expired(self, entries: list[Queued[Work]], status: P.Status, message: str) -> None:
+    def answer_expired(self, entries: list[Work], status: P.Status, message: str) -> None:
         if entries:
             self.counters.count(status, len(entries))
-            reply([e.item for e in entries], status, message)
+            reply(entries, status, message)
 
     def answer_timed_out(self, take: Take[Work]) -> None:
         self.answer_expired(take.expired, P.Status.TIMEOUT,
@@ -194,7 +199,7 @@ class ModelRunner(BatchRunner):
         self.answer_timed_out(take)  # (2)
         if not take.batch:
             return
-        works = [e.item for e in take.batch]
+        works = take.batch
         try:
             feeds, rows = self._gather(works)  # (3)
             # CPU time of this thread: wall time would count the hypervisor's steal and preemption

@@ -22,7 +22,7 @@ from broker import runtime
 from broker.config import Config
 from broker.ring import STATE_GEN, RingError, SlotState
 from gpu_worker import cuda, model_source
-from gpu_worker.batcher import Batcher, Queued
+from gpu_worker.batcher import Batcher
 from gpu_worker.engines import Engine, IOSpec, load_engine
 from gpu_worker.hints import Watch, hinted_submit
 from gpu_worker.intake import ModelView, Rejected, check_slot, check_tensors
@@ -282,7 +282,7 @@ class Worker:
         n_slots = len(bases)
         now = time.monotonic()
         # per model: its entries in order, and their rows; queued only once every request passed
-        by_model: dict[int, tuple[ServedModel, list[Queued[Work]], list[int]]] = {}
+        by_model: dict[int, tuple[ServedModel, list[Work], list[int]]] = {}
         slots = []
         hinted = session.hinted
         taken = []  # requests of this message already admitted from their hint: dropped
@@ -311,8 +311,8 @@ class Worker:
             if group is None:
                 group = by_model[model_id] = (m, [], [])
             deadline = now + (timeout_us / 1e6 if timeout_us else m.view.timeout_ms / 1e3)
-            group[1].append(Queued(Work(session, P.SubmitRequest(rid, slot, gen, model_id, timeout_us, canon[1]), rows),
-                                   rows, deadline, now))
+            group[1].append(Work(session, P.SubmitRequest(rid, slot, gen, model_id, timeout_us, canon[1]), rows,
+                                 deadline, now))
             group[2].append(rows)
             slots.append(slot)
         if session.detaching or not session.claim_slots(slots):
@@ -320,15 +320,15 @@ class Worker:
         for key in taken:
             del hinted[key]
         if n_req == 1 and slots:  # one request at a time: its client will reuse the slot it gets back
-            entry = next(iter(by_model.values()))[1][0]
-            self._watch = Watch(session, entry.item.req.slot, (entry.item.req.generation + 1) & 0xFFFF_FFFF)
+            req = next(iter(by_model.values()))[1][0].req
+            self._watch = Watch(session, req.slot, (req.generation + 1) & 0xFFFF_FFFF)
         elif slots:  # requests coalesced: batches matter more than one round trip, and a hint would be a
             self._watch = None  # batch of one taken ahead of the rest
         for m, entries, rows_each in by_model.values():
-            fitted = m.runner.batcher.put_many(entries, wake=not m.runner.cheap, items=sum(rows_each))
+            fitted = m.runner.batcher.put_many(entries, wake=not m.runner.cheap, rows=sum(rows_each))
             if fitted < len(entries):
                 m.runner.counters.count(P.Status.OVERLOADED, len(entries) - fitted)
-                reply([e.item for e in entries[fitted:]], P.Status.OVERLOADED,
+                reply(entries[fitted:], P.Status.OVERLOADED,
                       overloaded_message(m.view.name, m.runner.batcher.max_queue_size))
         return True
 
@@ -345,7 +345,7 @@ class Worker:
             counters.count(rej.status)
             raise
         timeout = req.timeout_us / 1e6 if req.timeout_us else model.view.timeout_ms / 1e3
-        entry = Queued(Work(session, req, rows), rows, now + timeout, now)
+        entry = Work(session, req, rows, now + timeout, now)
         if not model.runner.batcher.put(entry, wake=not model.runner.cheap):
             counters.count(P.Status.OVERLOADED)
             message = overloaded_message(model.view.name, model.runner.batcher.max_queue_size)

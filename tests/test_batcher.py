@@ -30,18 +30,19 @@ def _names(entries: list[Queued[str]]) -> list[str]:
 
 def _batcher(
     max_batch: int = 4, delay_us: int = LONG_US, preferred: list[int] | None = None, size: int = 100
-) -> Batcher[str]:
+) -> Batcher[Queued[str]]:
     return Batcher(max_batch, delay_us, preferred or [], size)
 
 
-def _take_in_thread(b: Batcher[str], timeout: float | None) -> tuple[threading.Thread, list[Take[str] | None]]:
-    out: list[Take[str] | None] = []
+def _take_in_thread(b: Batcher[Queued[str]],
+                    timeout: float | None) -> tuple[threading.Thread, list[Take[Queued[str]] | None]]:
+    out: list[Take[Queued[str]] | None] = []
     t = threading.Thread(target=lambda: out.append(b.take(timeout)), daemon=True)
     t.start()
     return t, out
 
 
-def _wait_until_sleeping(b: Batcher[str], n: int = 1) -> None:
+def _wait_until_sleeping(b: Batcher[Queued[str]], n: int = 1) -> None:
     """Return once ``n`` threads wait on the batcher's condition (a readiness check, not a sleep)."""
     end = time.monotonic() + 30.0
     while len(b._cond._waiters) < n:  # type: ignore[attr-defined]
@@ -395,7 +396,7 @@ def test_every_request_ends_up_exactly_once() -> None:
         for e in entries[chunk : chunk + 7]:
             assert b.put(e, wake=False)
         while (take := b.take_now()) is not None:
-            assert sum(e.items for e in take.batch) <= 5 or len(take.batch) == 1
+            assert sum(e.rows for e in take.batch) <= 5 or len(take.batch) == 1
             assert all(e.deadline > now for e in take.batch)
             assert all(e.deadline <= now for e in take.expired)
             seen += _names(take.batch) + _names(take.expired)
