@@ -250,10 +250,11 @@ class Segment:
         HINT.pack_into(self.buf, base + HINT_AT, n, worker_id)
 
     def post_request(self, slot: int, worker_id: int, request_id: int, generation: int, model_id: int,
-                     n_tensors: int, timeout_us: int, descs: bytes) -> None:
+                     n_tensors: int, timeout_us: int, descs: bytes) -> bool:
         """A client's request in its slot header: the hint for ``worker_id`` (PROTOCOL 4.2, its descriptors
         ``descs``), generation and request id, status 0, then the state word SUBMITTED, last. The same bytes
-        as ``write_hint`` then ``publish_slot``, in one pack (the per-request path of the client)."""
+        as ``write_hint`` then ``publish_slot``, in one pack (the per-request path of the client). Returns
+        whether the hint fitted."""
         base = self.layout.slot_bases[slot]
         n = REQUEST.size + len(descs)
         if n > HINT_CAPACITY:
@@ -264,6 +265,15 @@ class Segment:
             at = base + HINT_RECORD_AT + REQUEST.size
             self.buf[at : at + len(descs)] = descs
         self._words[base >> 2] = SlotState.SUBMITTED
+        return n <= HINT_CAPACITY
+
+    def hint_word(self, slot: int) -> int:
+        """The slot header's hint word (hint_bytes and hint_worker, +20): 0 once a worker took the hint."""
+        return self._words[(self.layout.slot_bases[slot] + HINT_AT) >> 2]
+
+    def clear_hint(self, slot: int) -> None:
+        """A worker that admitted the request from its hint says so (PROTOCOL 4.2): one 4-byte store of 0."""
+        self._words[(self.layout.slot_bases[slot] + HINT_AT) >> 2] = 0
 
     def set_state(self, slot: int, state: int, status: int) -> None:
         base = self.layout.slot_bases[slot]

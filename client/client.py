@@ -36,6 +36,7 @@ from client.errors import (
     WorkerDied,
     from_status,
 )
+from client.hintwait import HintWait
 from client.lead import ReceiveRole
 from client.receiving import SLOT_ANSWERS, Pending, Receiving
 from client.request import Request
@@ -105,6 +106,7 @@ class Client(Receiving):
         self._wake_tx.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
         self._role = ReceiveRole(self._wake, spin_us)
+        self._hint_wait = HintWait(self.segment, spin_us * 1000)
         for info in hs.ready.workers:
             self._links[info.worker_id] = Link(self._ctx, info)
         self._link_list: tuple[Link, ...] = ()
@@ -123,8 +125,13 @@ class Client(Receiving):
         self._check_may_wait()
         plan, slot, views = self._fill(model, inputs, timeout)
         fut: Future[Outputs] = Future()
-        self._send(slot, plan, views, timeout, lambda r: self._resolve(fut, plan, slot, views, r), release=True)
-        return self.wait_for(fut, (timeout if timeout is not None else plan.info.timeout_ms / 1e3) + GRACE_S, slot)
+        self._send(slot, plan, views, timeout, lambda r: self._resolve(fut, plan, slot, views, r), release=True,
+                   hint_wait=True)
+        try:
+            return self.wait_for(fut, (timeout if timeout is not None else plan.info.timeout_ms / 1e3) + GRACE_S,
+                                 slot)
+        finally:
+            self._hint_wait.done()
 
     def wait_for(self, fut: Future[T], wait: float, slot: int | None = None) -> T:
         """Block for ``fut`` (a request of this client), receiving answers on this thread meanwhile; with its
@@ -313,7 +320,9 @@ class Client(Receiving):
                 self._slot_cond.notify()
 
     def _send(self, slot: int, plan: ModelPlan, views: SlotViews, timeout: float | None,
-              on_done: Callable[[P.Result | ShmBrokerError], None], release: bool) -> None:
+              on_done: Callable[[P.Result | ShmBrokerError], None], release: bool, hint_wait: bool = False) -> None:
+        """Publish the request in its slot and send its SUBMIT (coalesced); ``hint_wait`` (a caller about to
+        block for the answer): no SUBMIT if a spinning worker takes the request from its hint (client.hintwait)."""
         link = self._choose(plan)
         if link is None:
             if release:
@@ -325,9 +334,12 @@ class Client(Receiving):
         lay = views.layout
         n_t = len(lay.in_offsets)
         # with the hint, a worker spinning on this slot takes the request ahead of the SUBMIT (PROTOCOL 4.2)
-        self.segment.post_request(slot, link.worker_id, rid, gen, plan.info.model_id, n_t, timeout_us, lay.in_descs)
+        hinted = self.segment.post_request(slot, link.worker_id, rid, gen, plan.info.model_id, n_t, timeout_us,
+                                           lay.in_descs)
         self._pending[slot] = Pending(rid, gen, plan, link.worker_id, on_done, lay)
         link.outstanding += 1
+        if hint_wait and hinted and self._hint_wait.taken(slot):
+            return  # the worker admitted it from the slot header and expects no SUBMIT (PROTOCOL 4.2)
         link.queue.append((rid, slot, gen, plan.info.model_id, n_t, timeout_us, lay.in_descs))
         if not getattr(self._cork, "on", False):
             self._flush(link)

@@ -38,9 +38,13 @@ class Request:
         done: Future[P.Result | ShmBrokerError] = Future()
         self.in_flight = True
         views = self._client._views_for(self._plan, self._slot, self._rows)
-        self._client._send(self._slot, self._plan, views, self._timeout, done.set_result, release=False)
+        self._client._send(self._slot, self._plan, views, self._timeout, done.set_result, release=False,
+                           hint_wait=True)
         wait = (self._timeout if self._timeout is not None else self._plan.info.timeout_ms / 1e3) + GRACE_S
-        r = self._client.wait_for(done, wait, self._slot)
+        try:
+            r = self._client.wait_for(done, wait, self._slot)
+        finally:
+            self._client._hint_wait.done()
         self.in_flight = False
         if isinstance(r, ShmBrokerError):
             raise r

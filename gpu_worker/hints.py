@@ -1,9 +1,10 @@
 """Submit hints: a request copied into its slot header, which a spinning worker takes before the SUBMIT comes.
 
 A client writes the SUBMIT record and descriptors of a request into the slot header (PROTOCOL 4.2) before
-it publishes the slot, and then sends the SUBMIT as usual. A worker that is spinning watches the slot it
-expects next (the one it just answered, one generation on) and admits the hinted request from there, which
-saves the message's trip through both ZeroMQ IO threads. The SUBMIT that follows is dropped (``taken``).
+it publishes the slot, and then sends the SUBMIT, unless it sees the hint taken first. A worker that is
+spinning watches the slot it expects next (the one it just answered, one generation on) and admits the
+hinted request from there, which saves the message's trip through both ZeroMQ IO threads, then clears the
+hint word. A SUBMIT that follows anyway is dropped (``taken``).
 Everything in a hint is checked exactly like a message, by the same code.
 """
 

@@ -213,6 +213,7 @@ class Worker:
         if body is None or not self._fast_submit(body):
             return False
         w.session.note_hinted(w.slot, w.generation)
+        w.session.segment.clear_hint(w.slot)  # the client, if it still waits to see this, sends no SUBMIT
         return True
 
     def _close(self) -> None:

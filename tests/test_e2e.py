@@ -7,6 +7,7 @@ import multiprocessing as mp
 import threading
 from concurrent.futures import Future
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -15,7 +16,7 @@ import pytest
 from client import AsyncClient, BadInput, Client, RequestTimeout, UnknownModel
 from client.client import Outputs
 from gpu_worker.model_source import resolve, tiny_model_bytes
-from tests.conftest import RunningBroker, arr, run_client_processes
+from tests.conftest import TEST_MODELS, RunningBroker, arr, run_client_processes, start_broker
 
 
 @cache
@@ -170,3 +171,57 @@ def test_call_delivers_outputs_and_errors_to_the_callback(broker: RunningBroker)
     assert len(errors) == 1 and isinstance(errors[0], RequestTimeout)
     for y in oks:  # each output is one of the inputs' results (callbacks may run in any order)
         assert min(float(np.abs(y - direct("tiny", x)).max()) for x in xs) < 1e-5
+
+
+class _CountingPush:
+    """A link's PUSH socket that counts the SUBMITs sent through it."""
+
+    def __init__(self, sock: object) -> None:
+        self.sock = sock
+        self.sent = 0
+
+    def send_multipart(self, frames: list[bytes], *args: object, **kwargs: object) -> object:
+        self.sent += 1
+        return self.sock.send_multipart(frames, *args, **kwargs)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.sock, name)
+
+
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_blocking_calls_send_no_submit_for_a_request_the_worker_took_from_its_hint(
+        tmp_path: Path, worker_mode: str) -> None:
+    """infer() and Request.run() get the right answers either way; a spinning worker (process mode) takes some
+    requests from their slot header and clears the hint, and those requests' SUBMITs are never sent. A worker
+    that never spins (thread mode) gets every SUBMIT."""
+    # as configs/default.toml has it: a lone request is due at once and runs inline, after which the
+    # worker process spins (the test config's 2 ms batching delay would hand it to the runner thread)
+    models = TEST_MODELS.replace("max_queue_delay_us = 2000", "max_queue_delay_us = 0", 1)
+    b = start_broker(tmp_path, worker_mode, models=models)
+    try:
+        rng = np.random.default_rng(5)
+        xs = [rng.standard_normal((1, 256), dtype=np.float32) for _ in range(32)]
+        refs = [direct("tiny", x) for x in xs]  # beforehand: the worker spins only while requests come quickly
+        n = 600
+        got = []
+        with Client(b.runtime_dir) as c:
+            link = c._snapshot_links()[0]
+            counting = _CountingPush(link.push)
+            link.push = counting  # type: ignore[assignment]
+            for i in range(n):
+                x = xs[i % len(xs)]
+                if i % 10 == 9:
+                    with c.request("tiny") as req:
+                        req.inputs["x"][...] = x
+                        got.append(arr(req.run()).copy())
+                else:
+                    got.append(arr(c.infer("tiny", x)))
+            link.push = counting.sock  # type: ignore[assignment]
+        for i, y in enumerate(got):
+            np.testing.assert_allclose(y, refs[i % len(xs)], rtol=0, atol=1e-5)
+        if worker_mode == "process":
+            assert counting.sent < n, "no request was taken from its hint"
+        else:
+            assert counting.sent == n
+    finally:
+        assert b.stop() == 0, b.log()

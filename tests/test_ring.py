@@ -359,6 +359,22 @@ def test_post_request_writes_what_write_hint_then_publish_slot_write(segments: S
     assert posted[:end] == reference[:end] and posted[end:] == b"\xee" * (R.SLOT_HEADER_BYTES - end)
 
 
+def test_a_taken_hint_reads_zero_and_the_rest_of_the_header_stays(segments: SegmentFactory,
+                                                                   opened: list[Segment]) -> None:
+    seg = segments(LAYOUT)
+    worker = Segment.open(seg.name, LAYOUT)
+    opened.append(worker)
+    assert seg.post_request(2, 7, 11, 3, 1, 1, 0, b"\x01" * P.TENSOR.size)
+    assert seg.hint_word(2) == (P.REQUEST.size + P.TENSOR.size) | (7 << 16)
+    header = bytes(seg.buf[LAYOUT.slot_base(2) : LAYOUT.slot_base(2) + R.SLOT_HEADER_BYTES])
+    worker.clear_hint(2)
+    assert seg.hint_word(2) == 0 and seg.read_slot(2) == (SlotState.SUBMITTED, 3, 11, 0)
+    after = bytes(seg.buf[LAYOUT.slot_base(2) : LAYOUT.slot_base(2) + R.SLOT_HEADER_BYTES])
+    assert after[: R.HINT_AT] == header[: R.HINT_AT] and after[R.HINT_AT + 4 :] == header[R.HINT_AT + 4 :]
+    assert not seg.post_request(1, 7, 12, 3, 1, 3, 0, b"\x01" * 3 * P.TENSOR.size)  # too big: no hint
+    assert seg.hint_word(1) == 0
+
+
 def test_last_slot_is_usable(segments: SegmentFactory) -> None:
     seg = segments(LAYOUT)
     last = LAYOUT.n_slots - 1
