@@ -235,26 +235,12 @@ class Segment:
         struct.pack_into("<IQI", self.buf, base + 4, generation, request_id, status)
         self._words[base >> 2] = state
 
-    def write_hint(self, slot: int, worker_id: int, record: tuple[int, ...], descs: bytes) -> None:
-        """Write a request's SUBMIT record (the fields of ``REQUEST``) and packed descriptors into the
-        slot header for ``worker_id``, or clear the hint when they do not fit; before ``publish_slot``, which
-        writes the state word. Packed in place: nothing is allocated per request."""
-        base = self.layout.slot_bases[slot]
-        n = REQUEST.size + len(descs)
-        if n > HINT_CAPACITY:
-            HINT.pack_into(self.buf, base + HINT_AT, 0, 0)
-            return
-        at = base + HINT_RECORD_AT
-        REQUEST.pack_into(self.buf, at, *record)
-        self.buf[at + REQUEST.size : at + n] = descs
-        HINT.pack_into(self.buf, base + HINT_AT, n, worker_id)
-
     def post_request(self, slot: int, worker_id: int, request_id: int, generation: int, model_id: int,
                      n_tensors: int, timeout_us: int, descs: bytes) -> bool:
         """A client's request in its slot header: the hint for ``worker_id`` (PROTOCOL 4.2, its descriptors
-        ``descs``), generation and request id, status 0, then the state word SUBMITTED, last. The same bytes
-        as ``write_hint`` then ``publish_slot``, in one pack (the per-request path of the client). Returns
-        whether the hint fitted."""
+        ``descs``, its record with first_tensor 0), generation and request id, status 0, then the state word
+        SUBMITTED, last; one pack for all but the descriptors. Returns whether the hint fitted (else the hint
+        word is 0: no hint)."""
         base = self.layout.slot_bases[slot]
         n = REQUEST.size + len(descs)
         if n > HINT_CAPACITY:
@@ -283,8 +269,13 @@ class Segment:
     def set_states(self, slots: list[int], state: int, statuses: int | list[int]) -> None:
         """``set_state`` for each slot: one status for all, or one each."""
         words, bases = self._words, self.layout.slot_bases
-        each = [statuses] * len(slots) if isinstance(statuses, int) else statuses
-        for slot, status in zip(slots, each, strict=True):
+        if isinstance(statuses, int):  # the common case, a whole batch OK: no list of statuses is built
+            for slot in slots:
+                base = bases[slot]
+                words[(base + 16) >> 2] = statuses
+                words[base >> 2] = state
+            return
+        for slot, status in zip(slots, statuses, strict=True):
             base = bases[slot]
             words[(base + 16) >> 2] = status
             words[base >> 2] = state

@@ -81,22 +81,16 @@ class Batcher(Generic[E]):
                 self._cond.notify()
         return True
 
-    def put_many(self, entries: list[E], wake: bool = True, rows: int | None = None) -> int:
-        """Queue entries in order under one lock; returns how many fitted (the rest get OVERLOADED).
-        ``rows``: the entries' total rows, when the caller has it (counted here otherwise)."""
+    def put_many(self, entries: list[E], wake: bool = True) -> int:
+        """Queue entries in order under one lock; returns how many fitted (the rest get OVERLOADED)."""
         with self._cond:
             room = 0 if self._closed else max(0, self.max_queue_size - len(self._q))
-            if room >= len(entries):
-                self._q.extend(entries)
-                self._items += rows if rows is not None else sum(e.rows for e in entries)
-                taken = len(entries)
-            else:
-                self._q.extend(entries[:room])
-                self._items += sum(e.rows for e in entries[:room])
-                taken = room
+            taken = entries if room >= len(entries) else entries[:room]
+            self._q.extend(taken)
+            self._items += sum(e.rows for e in taken)
             if wake and taken:
                 self._cond.notify()
-        return taken
+        return len(taken)
 
     def kick(self) -> None:
         """Wake the runner if anything is queued."""

@@ -282,8 +282,8 @@ class Worker:
         buf, bases, max_items = session.segment.buf, session.layout.slot_bases, session.max_items
         n_slots = len(bases)
         now = time.monotonic()
-        # per model: its entries in order, and their rows; queued only once every request passed
-        by_model: dict[int, tuple[ServedModel, list[Work], list[int]]] = {}
+        # per model: its entries in order; queued only once every request passed
+        by_model: dict[int, tuple[ServedModel, list[Work]]] = {}
         slots = []
         hinted = session.hinted
         taken = []  # requests of this message already admitted from their hint: dropped
@@ -310,11 +310,10 @@ class Worker:
                 return False
             group = by_model.get(model_id)
             if group is None:
-                group = by_model[model_id] = (m, [], [])
+                group = by_model[model_id] = (m, [])
             deadline = now + (timeout_us / 1e6 if timeout_us else m.view.timeout_ms / 1e3)
             group[1].append(Work(session, P.SubmitRequest(rid, slot, gen, model_id, timeout_us, canon[1]), rows,
                                  deadline, now))
-            group[2].append(rows)
             slots.append(slot)
         if session.detaching or not session.claim_slots(slots):
             return False
@@ -325,8 +324,8 @@ class Worker:
             self._watch = Watch(session, req.slot, (req.generation + 1) & 0xFFFF_FFFF)
         elif slots:  # requests coalesced: batches matter more than one round trip, and a hint would be a
             self._watch = None  # batch of one taken ahead of the rest
-        for m, entries, rows_each in by_model.values():
-            fitted = m.runner.batcher.put_many(entries, wake=not m.runner.cheap, rows=sum(rows_each))
+        for m, entries in by_model.values():
+            fitted = m.runner.batcher.put_many(entries, wake=not m.runner.cheap)
             if fitted < len(entries):
                 m.runner.counters.count(P.Status.OVERLOADED, len(entries) - fitted)
                 reply(entries[fitted:], P.Status.OVERLOADED,

@@ -45,9 +45,10 @@ class RawClient:
         desc = P.TensorDesc(0, P.dtype_code(x.dtype), 0, x.nbytes, x.shape)
         req = P.SubmitRequest(self._rid, slot, self.gens[slot], plan.info.model_id, 0, [desc])
         if hint:
-            record = (req.request_id, slot, req.generation, req.model_id, 0, 1, 0)
-            self.segment.write_hint(slot, self.link.worker_id, record, P.pack_tensor(desc))
-        self.segment.publish_slot(slot, SlotState.SUBMITTED, self.gens[slot], self._rid, 0)
+            self.segment.post_request(slot, self.link.worker_id, req.request_id, req.generation, req.model_id, 1, 0,
+                                      P.pack_tensor(desc))
+        else:
+            self.segment.publish_slot(slot, SlotState.SUBMITTED, self.gens[slot], self._rid, 0)
         return req
 
     def send(self, *reqs: P.SubmitRequest, token: int | None = None, session_id: int | None = None) -> None:

@@ -341,22 +341,27 @@ def test_publish_and_read_slot_across_mappings(segments: SegmentFactory, opened:
 
 
 @pytest.mark.parametrize("n_descs", [1, 2, 3, 4])  # 3 and 4 descriptors do not fit the hint capacity
-def test_post_request_writes_what_write_hint_then_publish_slot_write(segments: SegmentFactory, n_descs: int) -> None:
+def test_post_request_writes_the_slot_header_and_hint_of_protocol_4_2(segments: SegmentFactory, n_descs: int) -> None:
     seg = segments(LAYOUT)
     descs = bytes(range(64)) * n_descs
-    for slot in (1, 2):  # a slot of old garbage, so a missed byte shows
-        seg.buf[LAYOUT.slot_base(slot) : LAYOUT.slot_base(slot) + R.SLOT_HEADER_BYTES] = b"\xee" * R.SLOT_HEADER_BYTES
-    seg.post_request(1, 3, 2**64 - 2, 2**32 - 1, 9, n_descs, 123456, descs)
-    seg.write_hint(2, 3, (2**64 - 2, 1, 2**32 - 1, 9, 0, n_descs, 123456), descs)  # slot 1's record, in slot 2
-    seg.publish_slot(2, SlotState.SUBMITTED, 2**32 - 1, 2**64 - 2, 0)
-    posted = bytes(seg.buf[LAYOUT.slot_base(1) : LAYOUT.slot_base(1) + R.SLOT_HEADER_BYTES])
-    reference = bytes(seg.buf[LAYOUT.slot_base(2) : LAYOUT.slot_base(2) + R.SLOT_HEADER_BYTES])
-    fits = P.REQUEST.size + len(descs) <= R.HINT_CAPACITY
+    base = LAYOUT.slot_base(1)
+    seg.buf[base : base + R.SLOT_HEADER_BYTES] = b"\xee" * R.SLOT_HEADER_BYTES  # old garbage: a missed byte shows
+    fits = seg.post_request(1, 3, 2**64 - 2, 2**32 - 1, 9, n_descs, 123456, descs)
+    posted = bytes(seg.buf[base : base + R.SLOT_HEADER_BYTES])
+    assert fits == (P.REQUEST.size + len(descs) <= R.HINT_CAPACITY)
+    # the layout written out field by field, as a C client would
+    reference = R.SLOT_HEADER.pack(SlotState.SUBMITTED, 2**32 - 1, 2**64 - 2, 0)
+    if fits:
+        reference += R.HINT.pack(P.REQUEST.size + len(descs), 3)
+        reference += P.REQUEST.pack(2**64 - 2, 1, 2**32 - 1, 9, 0, n_descs, 123456) + descs
+    else:
+        reference += R.HINT.pack(0, 0)
     assert R.HINT.unpack_from(posted, R.HINT_AT) == ((P.REQUEST.size + len(descs), 3) if fits else (0, 0))
     assert seg.read_slot(1) == (SlotState.SUBMITTED, 2**32 - 1, 2**64 - 2, 0)
-    # past the hint's end, both leave the old bytes alone
+    # past the hint's end, the old bytes are left alone
     end = R.HINT_RECORD_AT + P.REQUEST.size + len(descs) if fits else R.HINT_RECORD_AT
-    assert posted[:end] == reference[:end] and posted[end:] == b"\xee" * (R.SLOT_HEADER_BYTES - end)
+    assert len(reference) == end
+    assert posted[:end] == reference and posted[end:] == b"\xee" * (R.SLOT_HEADER_BYTES - end)
 
 
 def test_a_taken_hint_reads_zero_and_the_rest_of_the_header_stays(segments: SegmentFactory,
