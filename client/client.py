@@ -3,7 +3,8 @@
 Threads: callers write their slot and send the SUBMIT themselves (coalesced under a per-worker lock);
 one IO thread receives broker notices, and DONEs unless a caller waiting in ``infer()`` receives them
 (client.lead, client.receiving). Slots are the flow control: at most ``slots`` requests are in flight,
-and a caller waits for a free slot.
+and a caller waits for a free slot. Argument checks that need no session: client.checks; ``wait_ready``
+and ``close``: client.lifecycle.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import zmq
 from broker import protocol as P
 from broker import runtime
 from broker.ring import RingError
+from client.checks import FORKS, check_timeout
 from client.errors import (
     BadInput,
     Overloaded,
@@ -38,6 +40,7 @@ from client.errors import (
 )
 from client.hintwait import HintWait
 from client.lead import ReceiveRole
+from client.lifecycle import Lifecycle
 from client.receiving import SLOT_ANSWERS, Pending, Receiving
 from client.request import Request
 from client.session import GRACE_S, Link, ModelPlan, SlotViews, control_socket, handshake
@@ -48,22 +51,10 @@ Inputs = np.ndarray | Mapping[str, np.ndarray]
 Outputs = np.ndarray | dict[str, np.ndarray]
 Callback = Callable[[Outputs | None, ShmBrokerError | None], object]
 T = TypeVar("T")
-MAX_TIMEOUT_S = 0xFFFF_FFFF / 1e6  # timeout_us is a u32 on the wire
-
-
-def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
-        raise BadInput(f"timeout: expected 0 < timeout <= {MAX_TIMEOUT_S:.0f} s (or None: the model's default), "
-                       f"got {timeout}")
-
-
-_FORKS = [0]  # bumped in a forked child, so the per-request fork check needs no getpid() call
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: _FORKS.__setitem__(0, _FORKS[0] + 1))
 SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
 
 
-class Client(Receiving):
+class Client(Receiving, Lifecycle):
     """One session with the broker: a ring of slots, links to the workers, an IO thread."""
 
     def __init__(
@@ -175,7 +166,7 @@ class Client(Receiving):
     def _fill(self, model: str, inputs: Inputs, timeout: float | None) -> tuple[ModelPlan, int, SlotViews]:
         """Check the inputs, take a slot and copy them into it: (plan, slot, the slot's views)."""
         plan = self._plan(model)
-        _check_timeout(timeout)
+        check_timeout(timeout)
         arrays = self._arrays(plan, inputs)
         slot = self._acquire(timeout)
         views = self._views_for(plan, slot, arrays[0].shape[0])
@@ -197,7 +188,7 @@ class Client(Receiving):
         The views are valid inside the ``with`` block only; the slot is freed when it ends.
         """
         plan = self._plan(model)
-        _check_timeout(timeout)
+        check_timeout(timeout)
         self._check_rows(plan, rows, "rows")
         slot = self._acquire(timeout)
         req = Request(self, plan, slot, rows, timeout)
@@ -208,42 +199,9 @@ class Client(Receiving):
             if not req.in_flight:
                 self._release(slot)
 
-    def wait_ready(self, model: str, timeout: float = 10.0) -> None:
-        """Block until a worker that serves ``model`` is linked (after a restart, say)."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if any(link.up and model in link.models for link in self._snapshot_links()):
-                return
-            with self._slot_cond:
-                self._slot_cond.wait(0.05)
-        raise WorkerDied(f"no live worker serves model {model!r} after {timeout} s")
-
-    def close(self) -> None:
-        """Say BYE, stop the IO thread, unmap the ring. Outstanding requests fail with WorkerDied."""
-        if self._stop.is_set():
-            return
-        self._finalizer()
-        with self._slot_cond:
-            self._slot_cond.notify_all()  # callers waiting for a slot see the client closed
-        with contextlib.suppress(zmq.ZMQError):
-            self._ctl.send_multipart(P.encode(P.Bye(self.session_id)))
-        with self._role.exclusive():
-            self._fail_all("the client was closed")
-            for link in self._snapshot_links():
-                link.close()
-        self._ctx.destroy(linger=200)
-        self._views.clear()  # the cached views export the mapping, which close() then unmaps at once
-        self.segment.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- submission -------------------------------------------------------------------------------------------
     def _plan(self, model: str) -> ModelPlan:
-        if _FORKS[0] and os.getpid() != self._pid:
+        if FORKS[0] and os.getpid() != self._pid:
             raise ShmBrokerError("a Client cannot be used across fork(); create one in the child", "FORKED")
         plan = self.models.get(model)
         if plan is None:

@@ -1,7 +1,8 @@
-"""The worker's logic: models, intake of SUBMITs, control messages from the broker. Runs in any thread.
+"""The worker's logic: intake of SUBMITs, control messages from the broker. Runs in any thread.
 
 The IO loop (this class) owns the data PULL socket and the control DEALER; each model's runner thread
-owns its batches. ``gpu_worker.__main__`` wraps this in a process; the broker's thread mode runs it inline.
+owns its batches. The models come from ``gpu_worker.models``. ``gpu_worker.__main__`` wraps this in a
+process; the broker's thread mode runs it inline.
 """
 
 from __future__ import annotations
@@ -21,15 +22,13 @@ from broker import protocol as P
 from broker import runtime
 from broker.config import Config
 from broker.ring import STATE_GEN, RingError, SlotState
-from gpu_worker import cuda, model_source
-from gpu_worker.batcher import Batcher
-from gpu_worker.engines import Engine, IOSpec, load_engine
 from gpu_worker.hints import Watch, hinted_submit
-from gpu_worker.intake import ModelView, Rejected, check_slot, check_tensors
-from gpu_worker.runner import BatchRunner, Work, make_runner, reply
+from gpu_worker.intake import Rejected, check_slot, check_tensors
+from gpu_worker.models import ServedModel, build_models, model_info, overloaded_message
+from gpu_worker.ratelog import RateLimitedLog
+from gpu_worker.runner import Work, reply
 from gpu_worker.sessions import WorkerSession
 from gpu_worker.spin import SpinPolicy
-from gpu_worker.warmup import prime
 
 log = logging.getLogger(__name__)
 
@@ -39,57 +38,6 @@ SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
 ROWS = struct.Struct("<q")
 ROWS_AT = 24  # dims[0] within a tensor descriptor
 SWEEP_S = 0.002  # how often queued requests are checked for expired deadlines
-
-
-class RateLimitedLog:
-    """One log line per ``interval`` seconds for a flood of bad messages, with the count of those dropped."""
-
-    def __init__(self, interval: float = 5.0) -> None:
-        self.interval = interval
-        self._last = 0.0
-        self._dropped = 0
-
-    def warning(self, fmt: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last >= self.interval:
-            log.warning(fmt + " (%d similar dropped)", *args, self._dropped)
-            self._last = now
-            self._dropped = 0
-        else:
-            self._dropped += 1
-
-
-class ServedModel:
-    def __init__(self, view: ModelView, engine: Engine, runner: BatchRunner) -> None:
-        self.view = view
-        self.engine = engine
-        self.runner = runner
-
-
-def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
-    """Load, check and warm up every configured model; EngineError names the model that failed.
-
-    On a GPU worker (``device`` an ordinal) the calling thread selects that device first: it is the IO
-    thread, which later unregisters rings; the pipeline's own threads select it themselves.
-    """
-    if device != "cpu":
-        cuda.set_device(int(device))
-    served: dict[int, ServedModel] = {}
-    for model_id, (name, mc) in enumerate(cfg.models.items()):
-        t0 = time.monotonic()
-        engine = load_engine(
-            mc.engine, model_source.resolve(cfg.model_path(name)), device=device, intra_op_threads=mc.intra_op_threads,
-            fp16=mc.fp16, cuda_graphs=mc.cuda_graphs, max_batch=mc.max_batch,
-        )
-        view = ModelView(model_id, name, mc.max_batch, engine.inputs, engine.outputs, mc.timeout_ms)
-        batcher: Batcher[Work] = Batcher(mc.max_batch, mc.max_queue_delay_us, mc.preferred_batch_sizes,
-                                         mc.max_queue_size)
-        runner = make_runner(view, engine, batcher, mc.streams)
-        if mc.warmup:
-            prime(runner)
-        served[model_id] = ServedModel(view, engine, runner)
-        log.info("model %s ready on %s in %.2f s", name, device, time.monotonic() - t0)
-    return served
 
 
 class Worker:
@@ -107,7 +55,7 @@ class Worker:
         self._detaching: set[int] = set()
         self._watch: Watch | None = None  # where the spin looks for a hinted request (gpu_worker.hints)
         self._next_sweep = 0.0
-        self._badlog = RateLimitedLog()
+        self._badlog = RateLimitedLog(log)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._ctl = self._ctx.socket(zmq.DEALER)
         self._data = self._ctx.socket(zmq.PULL)
@@ -135,7 +83,7 @@ class Worker:
         runtime.secure_socket_file(self.endpoint, self.cfg.file_mode, self.cfg.group_id())
         for m in self.models.values():
             m.runner.start()
-        infos = [_model_info(m.view) for m in self.models.values()]
+        infos = [model_info(m.view) for m in self.models.values()]
         if self.cfg.broker.worker_mode == "process":
             # everything loaded so far lives as long as the worker: keep it out of the collector's scans, so a
             # full collection does not pause the serving loop for the engines' and libraries' objects
@@ -435,16 +383,3 @@ class Worker:
 
     def _send_ctl(self, msg: msgspec.Struct) -> None:
         self._ctl.send_multipart(P.encode(msg))
-
-
-def overloaded_message(model: str, size: int) -> str:
-    return f"model {model!r} has {size} requests queued (models.{model}.max_queue_size)"
-
-
-def _spec(s: IOSpec) -> P.TensorSpec:
-    return P.TensorSpec(s.name, s.dtype.name, list(s.shape))
-
-
-def _model_info(v: ModelView) -> P.ModelInfo:
-    return P.ModelInfo(v.model_id, v.name, v.max_batch, [_spec(s) for s in v.inputs],
-                       [_spec(s) for s in v.outputs], v.timeout_ms)

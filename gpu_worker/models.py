@@ -1,0 +1,64 @@
+"""The models a worker serves: loading, checking and warming them up (``build_models``), and how they are
+described to the broker (``model_info``) and named in an OVERLOADED answer (``overloaded_message``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from broker import protocol as P
+from broker.config import Config
+from gpu_worker import cuda, model_source
+from gpu_worker.batcher import Batcher
+from gpu_worker.engines import Engine, IOSpec, load_engine
+from gpu_worker.intake import ModelView
+from gpu_worker.runner import BatchRunner, Work, make_runner
+from gpu_worker.warmup import prime
+
+log = logging.getLogger(__name__)
+
+
+class ServedModel:
+    def __init__(self, view: ModelView, engine: Engine, runner: BatchRunner) -> None:
+        self.view = view
+        self.engine = engine
+        self.runner = runner
+
+
+def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
+    """Load, check and warm up every configured model; EngineError names the model that failed.
+
+    On a GPU worker (``device`` an ordinal) the calling thread selects that device first: it is the IO
+    thread, which later unregisters rings; the pipeline's own threads select it themselves.
+    """
+    if device != "cpu":
+        cuda.set_device(int(device))
+    served: dict[int, ServedModel] = {}
+    for model_id, (name, mc) in enumerate(cfg.models.items()):
+        t0 = time.monotonic()
+        engine = load_engine(
+            mc.engine, model_source.resolve(cfg.model_path(name)), device=device, intra_op_threads=mc.intra_op_threads,
+            fp16=mc.fp16, cuda_graphs=mc.cuda_graphs, max_batch=mc.max_batch,
+        )
+        view = ModelView(model_id, name, mc.max_batch, engine.inputs, engine.outputs, mc.timeout_ms)
+        batcher: Batcher[Work] = Batcher(mc.max_batch, mc.max_queue_delay_us, mc.preferred_batch_sizes,
+                                         mc.max_queue_size)
+        runner = make_runner(view, engine, batcher, mc.streams)
+        if mc.warmup:
+            prime(runner)
+        served[model_id] = ServedModel(view, engine, runner)
+        log.info("model %s ready on %s in %.2f s", name, device, time.monotonic() - t0)
+    return served
+
+
+def overloaded_message(model: str, size: int) -> str:
+    return f"model {model!r} has {size} requests queued (models.{model}.max_queue_size)"
+
+
+def _spec(s: IOSpec) -> P.TensorSpec:
+    return P.TensorSpec(s.name, s.dtype.name, list(s.shape))
+
+
+def model_info(v: ModelView) -> P.ModelInfo:
+    return P.ModelInfo(v.model_id, v.name, v.max_batch, [_spec(s) for s in v.inputs],
+                       [_spec(s) for s in v.outputs], v.timeout_ms)
