@@ -44,6 +44,13 @@ def _figure(measurements: dict[str, Figures], where: tuple[str, str]) -> float |
 
 
 def _ratio(measurements: dict[str, Figures], num: tuple[str, str], den: tuple[str, str]) -> float | None:
+    """The median of the interleaved rounds' ratios where the two were measured in pairs (bench/paired.py),
+    else the plain quotient of the two figures."""
+    m = measurements.get(num[0])
+    pairs = m.get("paired") if isinstance(m, dict) else None
+    if isinstance(pairs, dict) and pairs.get("against") == den[0] and isinstance(pairs.get(num[1]), dict):
+        median = pairs[num[1]].get("median")
+        return float(median) if isinstance(median, int | float) else None
     a, b = _figure(measurements, num), _figure(measurements, den)
     if a is None or b is None or b == 0:
         return None
@@ -129,6 +136,22 @@ ROWS: list[tuple[str, str]] = [
 ]
 
 
+def _window_notes(f: Figures) -> str:
+    """Mean batch, the interleaved windows' figures (median shown) and the rounds' ratios."""
+    parts = [f"mean batch {f['server_mean_batch']}"] if f.get("server_mean_batch") is not None else []
+    windows = f.get("windows", [])
+    if len(windows) > 1:
+        name = "per_s" if "per_s" in f else "p50_us"
+        values = [w.get(name, w.get("latency", {}).get(name)) for w in windows]
+        parts.append(f"{len(windows)} windows, {'p50 ' if name == 'p50_us' else ''}"
+                     + " / ".join(_num(v, "{:,.0f}") for v in values))
+    pairs = f.get("paired", {})
+    for name in ("per_s", "p50_us"):
+        if len(pairs.get(name, {}).get("per_round", [])) > 1:
+            parts.append("rounds' ratios " + " / ".join(f"{r:.2f}" for r in pairs[name]["per_round"]))
+    return "; ".join(parts)
+
+
 def table(doc: Figures) -> str:
     m: dict[str, Figures] = doc["measurements"]
     mach = doc["machine"]
@@ -160,12 +183,8 @@ def table(doc: Figures) -> str:
             if "before_items_per_s" in f:
                 notes = (f"mean of before {f['before_items_per_s']:.1f} and after {f['after_items_per_s']:.1f}; "
                          + notes)
-        elif f.get("server_mean_batch") is not None:
-            notes = f"mean batch {f['server_mean_batch']}"
-        elif "before_per_s" in f:
-            notes = f"mean of before {f['before_per_s']:,.0f} and after {f['after_per_s']:,.0f}"
-        elif "before_p50_us" in lat:
-            notes = f"mean of before and after: p50 {lat['before_p50_us']:.0f} / {lat['after_p50_us']:.0f}"
+        else:
+            notes = _window_notes(f)
         if isinstance(f.get("machine_cpu_busy_pct"), int | float):
             notes = f"cpu {f['machine_cpu_busy_pct']:.0f}%" + (f", {notes}" if notes else "")
         lines.append(f"{label:<42} {_num(lat.get('p50_us')):>9} {_num(lat.get('p99_us')):>9} "

@@ -1,12 +1,13 @@
 """``shmbroker bench``: the broker against a raw ZeroMQ echo and the in-process engine limit, in one run.
 
-Order: with the echo server and the bench's own broker both up, (1) echo and ``tiny`` latency at
-concurrency 1, (2) echo and ``tiny`` throughput at 4 processes x 8 in flight, (3) ``nsfw`` throughput at
-4 processes x 4 in flight; then the broker is stopped with SIGTERM and /dev/shm checked; then (4) the
-in-process ONNX Runtime limit for ``nsfw``, with no broker running. Each ratio's two figures are measured
-back to back, so that they are taken under the same machine conditions. ``--plot``/``--sweep-only`` add
-the concurrency sweep (bench/sweep.py) after the broker's phases (or instead of them), and the picture
-(bench/plot.py). bench/README.md has the details.
+Order: with the echo server and the bench's own broker both up, (1) the floor's latency, then echo and
+``tiny`` latency at concurrency 1 in interleaved rounds, (2) echo and ``tiny`` throughput at 4 processes x 8
+in flight in interleaved rounds (bench/paired.py: each target ratio is the median of the rounds'), (3) the
+in-process ONNX Runtime limit for ``nsfw`` (broker idle) and ``nsfw`` throughput at 4 processes x 4 in
+flight; then the broker is stopped with SIGTERM and /dev/shm checked; then (4) the ``nsfw`` limit again,
+with no broker running. Each ratio's figures are measured back to back, under the same machine conditions.
+``--plot``/``--sweep-only`` add the concurrency sweep (bench/sweep.py) after the broker's phases (or instead
+of them), and the picture (bench/plot.py). bench/README.md has the details.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 import psutil
 
-from bench import echo, inprocess, load, plot, report, sweep
+from bench import echo, inprocess, load, paired, plot, report, sweep
 from bench.broker_proc import BrokerProcess, counters_delta, model_counters
 from bench.common import BenchError, Figures, Progress
 from bench.procs import Target, run_group
@@ -50,6 +51,7 @@ class Settings:
     latency_requests: int
     latency_warmup: int
     inprocess_s: float  # per batch size
+    rounds: int  # interleaved rounds of echo and tiny windows (bench/paired.py)
     processes: int = PROCESSES
     tiny_in_flight: int = TINY_IN_FLIGHT
     nsfw_in_flight: int = NSFW_IN_FLIGHT
@@ -63,8 +65,9 @@ class Settings:
         duration = args.duration if args.duration is not None else (2.0 if quick else 5.0)
         requests = args.requests if args.requests is not None else (2000 if quick else 5000)
         window = args.sweep_window if args.sweep_window is not None else (1.0 if quick else 2.0)
+        rounds = args.rounds if args.rounds is not None else (1 if quick else 3)
         return cls(quick=quick, duration_s=duration, warmup_s=0.5 if quick else 1.0, latency_requests=requests,
-                   latency_warmup=max(100, requests // 10), inprocess_s=duration,
+                   latency_warmup=max(100, requests // 10), inprocess_s=duration, rounds=rounds,
                    sweep=bool(args.plot or args.sweep_only), sweep_only=bool(args.sweep_only), sweep_window_s=window)
 
 
@@ -79,6 +82,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="each throughput window (default 5, 2 with --quick)")
     ap.add_argument("--requests", type=int, default=None, metavar="N",
                     help="latency requests at concurrency 1 (default 5000, 2000 with --quick)")
+    ap.add_argument("--rounds", type=int, default=None, metavar="N",
+                    help="interleaved rounds of echo and tiny windows, latency and throughput; each target ratio is "
+                         "the median of the rounds' ratios (default 3, 1 with --quick)")
     ap.add_argument("--plot", default=None, metavar="FILE.png",
                     help="also run the concurrency sweep and draw throughput against p50/p99 latency to FILE.png "
                          "(needs the plot extra: pip install 'shmbroker[plot]')")
@@ -163,20 +169,6 @@ class Bench:
         after["before_by_batch"] = before["by_batch"]
         after["items_per_s"] = round((before["items_per_s"] + after["items_per_s"]) / 2, 2)
 
-    def _average_baseline(self, key: str, again: str) -> None:
-        """A baseline measured before and after the broker's phase: ``key``'s figure becomes their mean."""
-        first, second = self.measurements.get(key), self.measurements.pop(again, None)
-        if not (isinstance(first, dict) and isinstance(second, dict)) or "error" in first or "error" in second:
-            return
-        if "per_s" in first:
-            first["before_per_s"], first["after_per_s"] = first["per_s"], second["per_s"]
-            first["per_s"] = round((first["per_s"] + second["per_s"]) / 2, 1)
-        else:
-            for name in ("p50_us", "p99_us"):
-                first["latency"][f"before_{name}"] = first["latency"][name]
-                first["latency"][f"after_{name}"] = second["latency"][name]
-                first["latency"][name] = round((first["latency"][name] + second["latency"][name]) / 2, 2)
-
     def latency(self, target: Target, spec: Figures) -> Figures:
         (r,) = run_group(self.progress, target, [spec], expect_s=None)
         return {"concurrency": 1, "requests": self.s.latency_requests, "warmup_requests": self.s.latency_warmup,
@@ -237,37 +229,36 @@ class Bench:
         def tput_summary(unit: str) -> Callable[[Figures], str]:
             return lambda f: f"{f['per_s']:,.1f} {unit}/s, {f['errors']} errors"
 
-        self.phase("echo_latency", f"raw zmq echo latency, 1 in flight, {s.latency_requests} requests",
-                   lambda: self.latency(echo.latency_client, {"endpoint": endpoint, **lat}), lat_summary)
+        echo_lat = paired.Side("echo_latency", f"raw zmq echo latency, 1 in flight, {s.latency_requests} requests",
+                               lambda: self.latency(echo.latency_client, {"endpoint": endpoint, **lat}), lat_summary)
         self.phase("floor_latency", f"floor: echo server that also runs tiny once per message, "
                    f"{s.latency_requests} requests",
                    lambda: self.latency(echo.latency_client, {"endpoint": floor_endpoint, **lat}), lat_summary)
+        echo_tput = paired.Side("echo_throughput", f"raw zmq echo throughput, {s.processes} procs x "
+                                f"{s.tiny_in_flight} in flight, {s.duration_s:g} s", lambda: self.throughput(
+                                    echo.throughput_client, {"endpoint": endpoint, "warmup_requests": 50},
+                                    s.tiny_in_flight), tput_summary("messages"))
         if TINY in self.cfg.models:
-            self.phase("tiny_latency", f"tiny latency via the broker, 1 in flight, {s.latency_requests} requests",
-                       lambda: self.with_server_counters(broker, TINY, lambda: self.latency(
-                           load.latency_client, {"runtime_dir": rt, "model": TINY, "seed": 1, **lat})), lat_summary)
+            # interleaved with the echo (bench/paired.py): each round's ratio is taken under one machine state
+            tiny_lat = paired.Side("tiny_latency", f"tiny latency via the broker, 1 in flight, "
+                                   f"{s.latency_requests} requests", lambda: self.with_server_counters(
+                                       broker, TINY, lambda: self.latency(load.latency_client, {
+                                           "runtime_dir": rt, "model": TINY, "seed": 1, **lat})), lat_summary)
+            tiny_tput = paired.Side("tiny_throughput", f"tiny throughput via the broker, {s.processes} procs x "
+                                    f"{s.tiny_in_flight} in flight, {s.duration_s:g} s", lambda: (
+                                        self.with_server_counters(broker, TINY, lambda: self.throughput(
+                                            load.throughput_client, {"runtime_dir": rt, "model": TINY,
+                                                                     "warmup_requests": 50}, s.tiny_in_flight))),
+                                    tput_summary("requests"))
+            for pair in (paired.Pair(echo_lat, tiny_lat, ("p50_us", "p99_us")),
+                         paired.Pair(echo_tput, tiny_tput, ("per_s",))):
+                paired.run(pair, s.rounds, self.phase)
+                paired.merge(self.measurements, pair, s.rounds)
         else:
             self.skip("tiny_latency", f"the config has no model {TINY!r}")
-        # each baseline runs before and after the broker's phase; the mean cancels a drift of the machine
-        self.phase("echo_latency_again", "raw zmq echo latency again",
-                   lambda: self.latency(echo.latency_client, {"endpoint": endpoint, **lat}), lat_summary)
-        self._average_baseline("echo_latency", "echo_latency_again")
-        self.phase("echo_throughput", f"raw zmq echo throughput, {s.processes} procs x {s.tiny_in_flight} in flight, "
-                   f"{s.duration_s:g} s", lambda: self.throughput(
-                       echo.throughput_client, {"endpoint": endpoint, "warmup_requests": 50}, s.tiny_in_flight),
-                   tput_summary("messages"))
-        if TINY in self.cfg.models:
-            self.phase("tiny_throughput", f"tiny throughput via the broker, {s.processes} procs x {s.tiny_in_flight} "
-                       f"in flight, {s.duration_s:g} s", lambda: self.with_server_counters(broker, TINY, lambda: (
-                           self.throughput(load.throughput_client, {"runtime_dir": rt, "model": TINY,
-                                                                    "warmup_requests": 50}, s.tiny_in_flight))),
-                       tput_summary("requests"))
-        else:
             self.skip("tiny_throughput", f"the config has no model {TINY!r}")
-        self.phase("echo_throughput_again", "raw zmq echo throughput again", lambda: self.throughput(
-            echo.throughput_client, {"endpoint": endpoint, "warmup_requests": 50}, s.tiny_in_flight),
-            tput_summary("messages"))
-        self._average_baseline("echo_throughput", "echo_throughput_again")
+            self.phase(echo_lat.key, echo_lat.title, echo_lat.measure, echo_lat.summary)
+            self.phase(echo_tput.key, echo_tput.title, echo_tput.measure, echo_tput.summary)
         if NSFW in self.cfg.models:
             # the limit is measured before (broker idle) and after (broker stopped) the broker's phase, and the
             # two are averaged: a drift of the machine's speed during the run then cancels out of the ratio
@@ -332,6 +323,9 @@ def main(args: argparse.Namespace) -> int:
         except BenchError as exc:
             sys.stderr.write(f"shmbroker bench: {exc}\n")
             return 2
+    if args.rounds is not None and args.rounds < 1:
+        sys.stderr.write(f"shmbroker bench: --rounds must be at least 1, got {args.rounds}\n")
+        return 2
     progress = Progress()
     cfg_path = Path(args.config).resolve() if args.config else config.DEFAULT_CONFIG
     cfg = config.load(cfg_path)  # a ConfigError is reported by the CLI (exit 2)
