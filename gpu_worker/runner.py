@@ -193,6 +193,7 @@ class ModelRunner(BatchRunner):
         self._bufs = [np.empty((model.max_batch, *s.item_shape), dtype=s.dtype) for s in model.inputs]
         self._buf_bytes = [b.data.cast("B") for b in self._bufs]
         self._in_item_bytes = [s.item_bytes for s in model.inputs]
+        self._names = [s.name for s in model.inputs]
         self._out_item_bytes = [s.item_bytes for s in model.outputs]
 
     def _run(self, take: Take[Work]) -> None:
@@ -213,10 +214,18 @@ class ModelRunner(BatchRunner):
         self._complete(works, outputs)  # (5)
 
     def _gather(self, works: list[Work]) -> tuple[dict[str, np.ndarray], int]:
-        names = [s.name for s in self.model.inputs]
+        names = self._names
         if len(works) == 1:  # the slot itself is the batch: no copy
             w = works[0]
-            return dict(zip(names, input_arrays(w.session, w.req, self.model), strict=True)), w.rows
+            canon = self.codec.inputs.get(w.rows)
+            if canon is None or w.req.tensors is not canon[1]:  # offsets of its own: views for this once
+                return dict(zip(names, input_arrays(w.session, w.req, self.model), strict=True)), w.rows
+            key = (self.model.model_id, w.req.slot, w.rows)
+            feeds = w.session.feeds.get(key)
+            if feeds is None:  # the canonical views of this slot and row count, built once
+                feeds = w.session.feeds[key] = dict(zip(names, input_arrays(w.session, w.req, self.model),
+                                                        strict=True))
+            return feeds, w.rows
         row = 0
         item_bytes, buf_bytes = self._in_item_bytes, self._buf_bytes
         for w in works:
@@ -231,6 +240,9 @@ class ModelRunner(BatchRunner):
         return {n: b[:row] for n, b in zip(names, self._bufs, strict=True)}, row
 
     def _complete(self, works: list[Work], outputs: list[np.ndarray]) -> None:
+        if len(works) == 1:
+            self._complete_one(works[0], outputs)
+            return
         sources = [np.ascontiguousarray(a, dtype=s.dtype).data.cast("B") for a, s in zip(outputs, self.model.outputs,
                                                                                           strict=True)]
         item_bytes = self._out_item_bytes
@@ -245,6 +257,21 @@ class ModelRunner(BatchRunner):
                 seg.buf[start : start + rows * ib] = src[row * ib : (row + rows) * ib]
             row += rows
         complete_ok(self.codec, self.counters, works)
+
+    def _complete_one(self, w: Work, outputs: list[np.ndarray]) -> None:
+        """A batch of one request: its outputs go through the slot's canonical views, built at first use."""
+        session, slot, rows = w.session, w.req.slot, w.rows
+        key = (self.model.model_id, slot, rows)
+        views = session.outs.get(key)
+        if views is None:
+            views = session.outs[key] = [
+                session.segment.output_view(slot, off, s.dtype, (rows, *s.item_shape))
+                for off, s in zip(self.codec.outputs[rows][0], self.model.outputs, strict=True)
+            ]
+        for dst, src in zip(views, outputs, strict=True):
+            np.copyto(dst, src, casting="unsafe")  # as ascontiguousarray(dtype=...) converts for a batch
+        self.counters.count(P.Status.OK)
+        session.finish([slot], SlotState.DONE, P.Status.OK, self.codec.done_ok(session.session_id, [w]))
 
 
 def make_runner(model: ModelView, engine: Engine, batcher: Batcher[Work], streams: int) -> BatchRunner:

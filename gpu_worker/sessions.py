@@ -8,6 +8,7 @@ import secrets
 import threading
 from pathlib import Path
 
+import numpy as np
 import zmq
 
 from broker import protocol as P
@@ -38,6 +39,10 @@ class WorkerSession:
         # first; an entry goes when its SUBMIT comes (gpu_worker.hints)
         self.hinted: dict[tuple[int, int], bool] = {}
         self.detaching = False
+        # views of a slot's inputs at their canonical offsets, by (model_id, slot, rows): built at a slot's
+        # first one-request batch and reused (gpu_worker.runner); dropped before the ring is unmapped
+        self.feeds: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
+        self.outs: dict[tuple[int, int, int], list[np.ndarray]] = {}  # and of its outputs, likewise
         self._lock = threading.Lock()
         # page-locked for DMA (cudaHostRegister) by a GPU worker at first use; never on a CPU worker
         self._registered = False
@@ -141,6 +146,8 @@ class WorkerSession:
             self._sock.close(linger=CLOSE_LINGER_MS)
             runtime.remove_socket_file(self.reply_endpoint)
         self._unregister()
+        self.feeds.clear()
+        self.outs.clear()
         self.segment.close()
 
     def _unregister(self) -> None:

@@ -46,6 +46,18 @@ def test_every_batch_size_matches_onnxruntime(broker: RunningBroker) -> None:
             np.testing.assert_allclose(y, direct("nsfw", x), rtol=0, atol=1e-5)
 
 
+def test_one_slot_reused_with_other_rows_and_inputs_answers_each_from_its_own(broker: RunningBroker) -> None:
+    """The worker keeps views of a slot's tensors per row count (gpu_worker.runner): a slot that comes back
+    with other inputs, or with another row count and then the first again, must be read and written afresh."""
+    rng = np.random.default_rng(7)
+    with Client(slots=1, max_items=4) as c:
+        for rows in [1, 1, 3, 1, 2, 3, 1]:
+            x = rng.standard_normal((rows, 256), dtype=np.float32)
+            y = arr(c.infer("tiny", x))
+            assert y.shape == (rows, 256)
+            np.testing.assert_allclose(y, direct("tiny", x), rtol=0, atol=1e-5)
+
+
 def _client_process(seed: int, n: int, runtime_dir: str, q: mp.Queue) -> None:  # type: ignore[type-arg]
     """One of several concurrent clients: its own inputs, 8 in flight, every result checked locally."""
     rng = np.random.default_rng(seed)
