@@ -1,13 +1,18 @@
 """The in-process limit: the worker's own engine class, run directly in the bench process, no broker at all.
 
-``OnnxRuntimeEngine`` is built exactly as the worker builds it (same session options, the model's
-``intra_op_threads``), then run back to back at each batch size for a fixed time (the batch sizes take
-turns, in rounds of about a second); the best images/s over the batch sizes is what the broker, which adds
-IPC, batching and scheduling, is measured against.
+``OnnxRuntimeEngine`` is built exactly as the worker builds it (same session options), in two shapes:
+the model as the config serves it (``instances`` threads running batches at once on one session, each run
+with ``intra_op_threads``), and, where that differs, one instance on all the cores this process may use.
+Each shape runs back to back at each batch size for a fixed time (all of them take turns, in rounds of
+about a second); the best items/s over shapes and batch sizes is what the broker, which adds IPC, batching
+and scheduling, is measured against. So a config that serves a model with several instances is measured
+against the best the CPU does in-process, not against a weaker single-instance figure.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import numpy as np
@@ -19,55 +24,100 @@ from gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
 
 MIN_RUNS = 3
 WARMUP_RUNS = 2
-ROUND_S = 1.0  # batch sizes take turns in rounds of about this long, so a change in machine load hits all alike
+ROUND_S = 1.0  # shapes and batch sizes take turns in rounds of about this long, so a change in load hits all alike
+
+
+class _Shape:
+    """One engine run by ``instances`` threads at once; accumulates runs and seconds per batch size."""
+
+    def __init__(self, source: str | bytes, instances: int, intra_op_threads: int, batch_sizes: list[int]) -> None:
+        self.instances = instances
+        self.intra_op_threads = intra_op_threads
+        self.name = f"{instances} instance{'s' if instances > 1 else ''} x {intra_op_threads} " \
+                    f"thread{'s' if intra_op_threads != 1 else ''}"
+        self.engine = OnnxRuntimeEngine(source, intra_op_threads=intra_op_threads)
+        self.runs = dict.fromkeys(batch_sizes, 0)
+        self.seconds = dict.fromkeys(batch_sizes, 0.0)
+
+    def window(self, feeds: dict[str, np.ndarray], b: int, seconds: float, min_runs: int) -> None:
+        """``instances`` threads run batches of ``b`` back to back for ``seconds`` (at least ``min_runs`` in all)."""
+        counts = [0] * self.instances
+        t0 = time.perf_counter()
+
+        def loop(i: int) -> None:
+            while True:
+                self.engine.run(feeds)
+                counts[i] += 1
+                if time.perf_counter() - t0 >= seconds and sum(counts) >= min_runs:
+                    return
+
+        threads = [threading.Thread(target=loop, args=(i,)) for i in range(1, self.instances)]
+        for t in threads:
+            t.start()
+        loop(0)
+        for t in threads:
+            t.join()
+        self.runs[b] += sum(counts)
+        self.seconds[b] += time.perf_counter() - t0
+
+    def rate(self, b: int) -> float:
+        return self.runs[b] * b / self.seconds[b] if self.seconds[b] else 0.0
+
+    def figures(self) -> Figures:
+        return {
+            str(b): {"runs": self.runs[b], "seconds": round(self.seconds[b], 3),
+                     "ms_per_batch": round(1e3 * self.seconds[b] * self.instances / self.runs[b], 2),
+                     "items_per_s": round(self.rate(b), 2)}
+            for b in self.runs
+        }
 
 
 def limit(cfg: Config, model: str, batch_sizes: list[int], duration_s: float, progress: Progress,
           seed: int = 7) -> Figures:
-    """``duration_s`` of back-to-back runs per batch size, interleaved in rounds; the best items/s wins."""
+    """``duration_s`` of back-to-back runs per shape and batch size, interleaved in rounds; the best items/s wins."""
     mc = cfg.models[model]
-    engine = OnnxRuntimeEngine(model_source.resolve(cfg.model_path(model)), intra_op_threads=mc.intra_op_threads)
+    source = model_source.resolve(cfg.model_path(model))
+    # "all cores" as the cores this process may use: ONNX Runtime's 0 sizes its pool by the machine, past
+    # a taskset or cgroup limit, and would measure more cores than the broker's processes get
+    cores = len(os.sched_getaffinity(0))
+    wanted = [(mc.instances, mc.intra_op_threads or cores)]
+    if wanted[0] != (1, cores):
+        wanted.append((1, cores))
+    shapes = [_Shape(source, n, t, batch_sizes) for n, t in wanted]
     rng = np.random.default_rng(seed)
     rounds = max(1, round(duration_s / ROUND_S))
-    runs = dict.fromkeys(batch_sizes, 0)
-    seconds = dict.fromkeys(batch_sizes, 0.0)
     try:
-        feeds = {b: {s.name: rng.random((b, *s.item_shape), dtype=np.float32).astype(s.dtype) for s in engine.inputs}
+        spec = shapes[0].engine.inputs
+        feeds = {b: {s.name: rng.random((b, *s.item_shape), dtype=np.float32).astype(s.dtype) for s in spec}
                  for b in batch_sizes}
-        for b in batch_sizes:
-            for _ in range(WARMUP_RUNS):
-                engine.run(feeds[b])
+        for shape in shapes:
+            for b in batch_sizes:
+                for _ in range(WARMUP_RUNS):
+                    shape.engine.run(feeds[b])
         for r in range(rounds):
             last = r == rounds - 1
-            for b in batch_sizes:
-                t0 = time.perf_counter()
-                n = 0
-                while True:
-                    engine.run(feeds[b])
-                    n += 1
-                    elapsed = time.perf_counter() - t0
-                    if elapsed >= duration_s / rounds and (not last or runs[b] + n >= MIN_RUNS):
-                        break
-                runs[b] += n
-                seconds[b] += elapsed
-            progress.tick(f"round {r + 1}/{rounds}: " + ", ".join(
-                f"b{b} {runs[b] * b / seconds[b]:.1f}/s" for b in batch_sizes))
+            for shape in shapes:
+                for b in batch_sizes:
+                    shape.window(feeds[b], b, duration_s / rounds, MIN_RUNS - shape.runs[b] if last else 1)
+            progress.tick(f"round {r + 1}/{rounds}: " + "; ".join(
+                f"{shape.name}: " + ", ".join(f"b{b} {shape.rate(b):.1f}/s" for b in batch_sizes) for shape in shapes))
     finally:
-        engine.close()
-    by_batch: dict[str, Figures] = {
-        str(b): {"runs": runs[b], "seconds": round(seconds[b], 3), "ms_per_batch": round(1e3 * seconds[b] / runs[b], 2),
-                 "items_per_s": round(runs[b] * b / seconds[b], 2)}
-        for b in batch_sizes
-    }
-    best = max(by_batch, key=lambda k: by_batch[k]["items_per_s"])
+        for shape in shapes:
+            shape.engine.close()
+    by_shape = {shape.name: shape.figures() for shape in shapes}
+    best_shape, best = max(((name, b) for name, fig in by_shape.items() for b in fig),
+                           key=lambda nb: by_shape[nb[0]][nb[1]]["items_per_s"])
     return {
         "model": model,
         "engine": "onnxruntime (gpu_worker.engines.onnxruntime.OnnxRuntimeEngine, in the bench process)",
+        "instances": mc.instances,
         "intra_op_threads": mc.intra_op_threads,
         "batch_sizes": batch_sizes,
         "duration_s_per_batch_size": duration_s,
         "rounds": rounds,
-        "by_batch": by_batch,
+        "by_shape": by_shape,
+        "best_shape": best_shape,
+        "by_batch": by_shape[best_shape],
         "best_batch": int(best),
-        "items_per_s": by_batch[best]["items_per_s"],
+        "items_per_s": by_shape[best_shape][best]["items_per_s"],
     }

@@ -178,7 +178,7 @@ def table(doc: Figures) -> str:
         per_s = f.get("per_s", f.get("items_per_s"))
         notes = ""
         if key == "nsfw_inprocess":
-            notes = f"batch {f['best_batch']} (" + ", ".join(
+            notes = f"{f.get('best_shape', '')}, batch {f['best_batch']} (" + ", ".join(
                 f"b{b}: {v['items_per_s']:.1f}" for b, v in f["by_batch"].items()) + ")"
             if "before_items_per_s" in f:
                 notes = (f"mean of before {f['before_items_per_s']:.1f} and after {f['after_items_per_s']:.1f}; "

@@ -212,7 +212,7 @@ class Bench:
         if NSFW in self.cfg.models and not s.sweep_only:
             self.phase("nsfw_inprocess", f"nsfw in-process ONNX Runtime limit, batches {NSFW_BATCH_SIZES}, "
                        f"{s.inprocess_s:g} s each (broker stopped)", self.inprocess_nsfw,
-                       lambda f: f"{f['items_per_s']:.2f} images/s at batch {f['best_batch']}")
+                       lambda f: f"{f['items_per_s']:.2f} images/s, {f['best_shape']}, batch {f['best_batch']}")
             self._average_limits()
         elif not s.sweep_only:
             self.skip("nsfw_inprocess", f"the config has no model {NSFW!r}")
@@ -264,7 +264,7 @@ class Bench:
             # two are averaged: a drift of the machine's speed during the run then cancels out of the ratio
             self.phase("nsfw_inprocess_before", f"nsfw in-process ONNX Runtime limit, batches {NSFW_BATCH_SIZES}, "
                        f"{self.s.inprocess_s:g} s each (broker idle)", self.inprocess_nsfw,
-                       lambda f: f"{f['items_per_s']:.2f} images/s at batch {f['best_batch']}")
+                       lambda f: f"{f['items_per_s']:.2f} images/s, {f['best_shape']}, batch {f['best_batch']}")
             self.phase("nsfw_throughput", f"nsfw throughput via the broker, {s.processes} procs x {s.nsfw_in_flight} "
                        f"in flight, 1 image each, {s.duration_s:g} s", lambda: self.with_server_counters(
                            broker, NSFW, lambda: self.throughput(load.throughput_client, {

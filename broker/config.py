@@ -65,6 +65,8 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queue_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 256
     timeout_ms: Ms = 500
     intra_op_threads: Annotated[int, Meta(ge=0, le=256)] = 0
+    # host engines: batches run at once, each on its own runner thread; the GPU pipeline has streams instead
+    instances: Annotated[int, Meta(ge=1, le=64)] = 1
     warmup: bool = True
     # GPU engines (torch, tensorrt) only; a CPU worker ignores them
     streams: Annotated[int, Meta(ge=1, le=16)] = 4  # stream slots: batches in flight on the device at once

@@ -43,7 +43,7 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
         view = ModelView(model_id, name, mc.max_batch, engine.inputs, engine.outputs, mc.timeout_ms)
         batcher: Batcher[Work] = Batcher(mc.max_batch, mc.max_queue_delay_us, mc.preferred_batch_sizes,
                                          mc.max_queue_size)
-        runner = make_runner(view, engine, batcher, mc.streams)
+        runner = make_runner(view, engine, batcher, mc.streams, mc.instances)
         if mc.warmup:
             prime(runner)
         served[model_id] = ServedModel(view, engine, runner)

@@ -121,11 +121,15 @@ class BatchRunner:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop taking batches, let the running one finish, answer what was still queued."""
+        """Stop taking batches, let the running ones finish, answer what was still queued."""
         self._stop.set()
         left = self.batcher.close()
-        self._thread.join(timeout=30)
+        for t in self._threads():
+            t.join(timeout=30)
         self.answer_expired(left, P.Status.SHUTTING_DOWN, "the worker is shutting down")
+
+    def _threads(self) -> list[threading.Thread]:
+        return [self._thread]
 
     def answer_expired(self, entries: list[Work], status: P.Status, message: str) -> None:
         if entries:
@@ -185,24 +189,56 @@ class BatchRunner:
         return self.avg_run_s < INLINE_BELOW_S
 
 
-class ModelRunner(BatchRunner):
-    """A host engine: (1) take a batch, (2) answer the expired, (3) gather, (4) run, (5) complete."""
+class _Buffers:
+    """One instance's batch buffers: a batch of several requests is gathered into them."""
 
-    def __init__(self, model: ModelView, engine: Engine, batcher: Batcher[Work], counters: ModelCounters) -> None:
+    def __init__(self, model: ModelView) -> None:
+        self.arrays = [np.empty((model.max_batch, *s.item_shape), dtype=s.dtype) for s in model.inputs]
+        self.bytes = [b.data.cast("B") for b in self.arrays]
+
+
+class ModelRunner(BatchRunner):
+    """A host engine: (1) take a batch, (2) answer the expired, (3) gather, (4) run, (5) complete.
+
+    ``instances`` batches run at once, each on its own thread with its own buffers (an engine's ``run`` is
+    thread-safe). The first instance's thread and the inline runs share one set, serialized by ``_busy``.
+    """
+
+    def __init__(self, model: ModelView, engine: Engine, batcher: Batcher[Work], counters: ModelCounters,
+                 instances: int = 1) -> None:
         super().__init__(model, engine, batcher, counters)
-        self._bufs = [np.empty((model.max_batch, *s.item_shape), dtype=s.dtype) for s in model.inputs]
-        self._buf_bytes = [b.data.cast("B") for b in self._bufs]
+        self._bufs = _Buffers(model)
+        self._more = [threading.Thread(target=self._instance_loop, args=(_Buffers(model),),
+                                       name=f"runner-{model.name}-{i}", daemon=True) for i in range(1, instances)]
         self._in_item_bytes = [s.item_bytes for s in model.inputs]
         self._names = [s.name for s in model.inputs]
         self._out_item_bytes = [s.item_bytes for s in model.outputs]
 
+    def start(self) -> None:
+        super().start()
+        for t in self._more:
+            t.start()
+
+    def _threads(self) -> list[threading.Thread]:
+        return [self._thread, *self._more]
+
+    def _instance_loop(self, bufs: _Buffers) -> None:
+        """A further instance: takes batches like the first one's thread, and runs them on its own buffers."""
+        while not self._stop.is_set():
+            take = self.batcher.take(timeout=0.5)  # (1)
+            if take is not None:
+                self._run_on(take, bufs)
+
     def _run(self, take: Take[Work]) -> None:
+        self._run_on(take, self._bufs)
+
+    def _run_on(self, take: Take[Work], bufs: _Buffers) -> None:
         self.answer_timed_out(take)  # (2)
         if not take.batch:
             return
         works = take.batch
         try:
-            feeds, rows = self._gather(works)  # (3)
+            feeds, rows = self._gather(works, bufs)  # (3)
             # CPU time of this thread: wall time would count the hypervisor's steal and preemption
             t0 = time.thread_time()
             outputs = self.engine.run(feeds)  # (4)
@@ -213,7 +249,7 @@ class ModelRunner(BatchRunner):
         self.counters.batch(rows)
         self._complete(works, outputs)  # (5)
 
-    def _gather(self, works: list[Work]) -> tuple[dict[str, np.ndarray], int]:
+    def _gather(self, works: list[Work], bufs: _Buffers) -> tuple[dict[str, np.ndarray], int]:
         names = self._names
         if len(works) == 1:  # the slot itself is the batch: no copy
             w = works[0]
@@ -227,7 +263,7 @@ class ModelRunner(BatchRunner):
                                                         strict=True))
             return feeds, w.rows
         row = 0
-        item_bytes, buf_bytes = self._in_item_bytes, self._buf_bytes
+        item_bytes, buf_bytes = self._in_item_bytes, bufs.bytes
         for w in works:
             seg = w.session.segment
             base = seg.layout.input_bases[w.req.slot]
@@ -237,7 +273,7 @@ class ModelRunner(BatchRunner):
                 # a plain memcpy from the slot into the batch buffer; the descriptor was checked at intake
                 buf_bytes[t.index][row * ib : (row + w.rows) * ib] = seg.buf[start : start + t.nbytes]
             row += w.rows
-        return {n: b[:row] for n, b in zip(names, self._bufs, strict=True)}, row
+        return {n: b[:row] for n, b in zip(names, bufs.arrays, strict=True)}, row
 
     def _complete(self, works: list[Work], outputs: list[np.ndarray]) -> None:
         if len(works) == 1:
@@ -274,10 +310,11 @@ class ModelRunner(BatchRunner):
         session.finish([slot], SlotState.DONE, P.Status.OK, self.codec.done_ok(session.session_id, [w]))
 
 
-def make_runner(model: ModelView, engine: Engine, batcher: Batcher[Work], streams: int) -> BatchRunner:
-    """The GPU pipeline (``streams`` stream slots) for a device engine, else the host runner."""
+def make_runner(model: ModelView, engine: Engine, batcher: Batcher[Work], streams: int,
+                instances: int = 1) -> BatchRunner:
+    """The GPU pipeline (``streams`` stream slots) for a device engine, else the host runner (``instances``)."""
     if is_device_engine(engine):
         from gpu_worker.pipeline import PipelineRunner
 
         return PipelineRunner(model, cast("DeviceEngine", engine), batcher, ModelCounters(), streams)
-    return ModelRunner(model, engine, batcher, ModelCounters())
+    return ModelRunner(model, engine, batcher, ModelCounters(), instances)

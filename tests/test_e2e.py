@@ -237,3 +237,27 @@ def test_blocking_calls_send_no_submit_for_a_request_the_worker_took_from_its_hi
             assert counting.sent == n
     finally:
         assert b.stop() == 0, b.log()
+
+
+def _nsfw_client(seed: int, runtime_dir: str, q: mp.Queue) -> None:  # type: ignore[type-arg]
+    """Eight 2-image nsfw requests in flight at once; how many came back different from onnxruntime's."""
+    rng = np.random.default_rng(seed)
+    xs = [rng.random((2, 224, 224, 3), dtype=np.float32) for _ in range(8)]
+    with Client(runtime_dir, slots=8, max_items=2) as c:
+        futures = [c.submit("nsfw", x) for x in xs]
+        ys = [arr(f.result(60)) for f in futures]
+    q.put(sum(int(not np.allclose(y, direct("nsfw", x), rtol=0, atol=1e-5)) for x, y in zip(xs, ys, strict=True)))
+
+
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_instances_run_batches_at_once_and_each_batch_answers_its_own_requests(
+        tmp_path: Path, worker_mode: str) -> None:
+    """``instances = 2``: two batches gathered and run at the same time (each instance has its own batch
+    buffers), from two processes' requests; every request gets the outputs of its own images."""
+    models = TEST_MODELS.replace("max_queue_size = 3\n", "max_queue_size = 64\ninstances = 2\nintra_op_threads = 1\n")
+    b = start_broker(tmp_path, worker_mode, models=models)
+    try:
+        wrong = run_client_processes(_nsfw_client, [(s, str(b.runtime_dir)) for s in (11, 12)], timeout=180)
+        assert wrong == [0, 0]
+    finally:
+        assert b.stop() == 0, b.log()

@@ -1,12 +1,25 @@
-"""gpu_worker.runner: the inline choice follows a model's real cost, not one run stretched by the machine."""
+"""gpu_worker.runner: the inline choice follows a model's real cost, not one run stretched by the machine; several
+instances run batches at once, each from its own buffers."""
 
 from __future__ import annotations
 
+import secrets
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from broker import protocol as P
+from broker.ring import RingLayout, Segment, new_segment_name
 from gpu_worker import model_source
 from gpu_worker.batcher import Batcher
 from gpu_worker.engines import load_engine
+from gpu_worker.engines.base import IOSpec
 from gpu_worker.intake import ModelView
 from gpu_worker.runner import INLINE_BELOW_S, ModelCounters, ModelRunner, Work
+from gpu_worker.sessions import WorkerSession
 from gpu_worker.warmup import prime
 
 
@@ -37,3 +50,62 @@ def test_a_model_that_really_became_costly_goes_to_its_runner_and_comes_back() -
     for _ in range(30):
         r.note_run_time(INLINE_BELOW_S / 10)
     assert r.cheap
+
+
+class _BothAtOnce:
+    """An engine whose runs return only once two of them are inside ``run`` together: y = 2 x, of the inputs
+    as they are after both batches were gathered."""
+
+    def __init__(self) -> None:
+        self.inputs = [IOSpec("x", np.dtype("float32"), (-1, 4))]
+        self.outputs = [IOSpec("y", np.dtype("float32"), (-1, 4))]
+        self.together = threading.Barrier(2, timeout=10)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        self.together.wait()
+        return [feeds["x"] * 2]
+
+    def close(self) -> None:
+        pass
+
+
+def test_two_instances_run_two_batches_at_once_each_from_its_own_inputs(tmp_path: Path) -> None:
+    engine = _BothAtOnce()
+    view = ModelView(0, "double", 2, engine.inputs, engine.outputs, 5000)
+    batcher: Batcher[Work] = Batcher(2, 0, [], 64)
+    runner = ModelRunner(view, engine, batcher, ModelCounters(), instances=2)
+    layout = RingLayout(session_id=3, n_slots=4, in_capacity=64, out_capacity=64)
+    seg = Segment.create(new_segment_name("t" + secrets.token_hex(4)), layout)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    attach = P.Attach(3, 99, seg.name, layout.total_bytes, 4, layout.slot_stride, 64, 64, 1)
+    session = WorkerSession(ctx, attach, 0, tmp_path, 0o600, None)
+    try:
+        xs = [np.full((1, 4), 10.0 * (slot + 1), np.float32) for slot in range(4)]
+        works = []
+        for slot, x in enumerate(xs):
+            seg.input_view(slot, 0, x.dtype, x.shape)[...] = x
+            req = P.SubmitRequest(slot + 1, slot, 1, 0, 0, [P.TensorDesc(0, int(P.DType.FP32), 0, 16, (1, 4))])
+            works.append(Work(session, req, 1, time.monotonic() + 5, time.monotonic()))
+        session.in_flight.update(range(4))
+        all_answered = threading.Event()
+        finish = session.finish
+
+        def finish_and_tell(slots: list[int], state: int, statuses: int | list[int], frames: list[bytes]) -> None:
+            finish(slots, state, statuses, frames)
+            if not session.in_flight:
+                all_answered.set()
+
+        session.finish = finish_and_tell  # type: ignore[method-assign]
+        batcher.put_many(works)  # two batches of two: one for each instance
+        runner.start()
+        answered = all_answered.wait(10)
+        runner.stop()
+        assert answered, "the two batches did not both finish (did they run at once?)"
+        for slot, x in enumerate(xs):
+            y = session.segment.output_view(slot, 0, np.dtype("float32"), (1, 4))
+            np.testing.assert_array_equal(y, 2 * x, err_msg=f"slot {slot} got another request's outputs")
+    finally:
+        session.close()
+        seg.close()
+        seg.unlink()
+        ctx.term()
