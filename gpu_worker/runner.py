@@ -254,14 +254,10 @@ class ModelRunner(BatchRunner):
         if len(works) == 1:  # the slot itself is the batch: no copy
             w = works[0]
             canon = self.codec.inputs.get(w.rows)
-            if canon is None or w.req.tensors is not canon[1]:  # offsets of its own: views for this once
-                return dict(zip(names, input_arrays(w.session, w.req, self.model), strict=True)), w.rows
-            key = (self.model.model_id, w.req.slot, w.rows)
-            feeds = w.session.feeds.get(key)
-            if feeds is None:  # the canonical views of this slot and row count, built once
-                feeds = w.session.feeds[key] = dict(zip(names, input_arrays(w.session, w.req, self.model),
-                                                        strict=True))
-            return feeds, w.rows
+            if canon is not None and w.req.tensors is canon[1]:
+                return self._slot_views(w)[0], w.rows
+            # offsets of its own: views for this request only
+            return dict(zip(names, input_arrays(w.session, w.req, self.model), strict=True)), w.rows
         row = 0
         item_bytes, buf_bytes = self._in_item_bytes, bufs.bytes
         for w in works:
@@ -295,19 +291,25 @@ class ModelRunner(BatchRunner):
         complete_ok(self.codec, self.counters, works)
 
     def _complete_one(self, w: Work, outputs: list[np.ndarray]) -> None:
-        """A batch of one request: its outputs go through the slot's canonical views, built at first use."""
-        session, slot, rows = w.session, w.req.slot, w.rows
-        key = (self.model.model_id, slot, rows)
-        views = session.outs.get(key)
-        if views is None:
-            views = session.outs[key] = [
-                session.segment.output_view(slot, off, s.dtype, (rows, *s.item_shape))
-                for off, s in zip(self.codec.outputs[rows][0], self.model.outputs, strict=True)
-            ]
-        for dst, src in zip(views, outputs, strict=True):
+        """A batch of one request: its outputs go through the slot's canonical views."""
+        for dst, src in zip(self._slot_views(w)[1], outputs, strict=True):
             np.copyto(dst, src, casting="unsafe")  # as ascontiguousarray(dtype=...) converts for a batch
         self.counters.count(P.Status.OK)
-        session.finish([slot], SlotState.DONE, P.Status.OK, self.codec.done_ok(session.session_id, [w]))
+        w.session.finish([w.req.slot], SlotState.DONE, P.Status.OK, self.codec.done_ok(w.session.session_id, [w]))
+
+    def _slot_views(self, w: Work) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+        """Views of ``w``'s slot at the canonical offsets of its row count (inputs by name, outputs), built at
+        the first one-request batch in that slot with that row count and kept by the session."""
+        key = (self.model.model_id, w.req.slot, w.rows)
+        views = w.session.views.get(key)
+        if views is None:
+            seg, slot, rows = w.session.segment, w.req.slot, w.rows
+            ins = {s.name: seg.input_view(slot, d.offset, s.dtype, d.shape)
+                   for d, s in zip(self.codec.inputs[rows][1], self.model.inputs, strict=True)}
+            outs = [seg.output_view(slot, off, s.dtype, (rows, *s.item_shape))
+                    for off, s in zip(self.codec.outputs[rows][0], self.model.outputs, strict=True)]
+            views = w.session.views[key] = (ins, outs)
+        return views
 
 
 def make_runner(model: ModelView, engine: Engine, batcher: Batcher[Work], streams: int,

@@ -39,10 +39,10 @@ class WorkerSession:
         # first; an entry goes when its SUBMIT comes (gpu_worker.hints)
         self.hinted: dict[tuple[int, int], bool] = {}
         self.detaching = False
-        # views of a slot's inputs at their canonical offsets, by (model_id, slot, rows): built at a slot's
-        # first one-request batch and reused (gpu_worker.runner); dropped before the ring is unmapped
-        self.feeds: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
-        self.outs: dict[tuple[int, int, int], list[np.ndarray]] = {}  # and of its outputs, likewise
+        # views of a slot's tensors at their canonical offsets, by (model_id, slot, rows): (inputs by name,
+        # outputs), built at the slot's first one-request batch and reused (gpu_worker.runner); dropped before
+        # the ring is unmapped
+        self.views: dict[tuple[int, int, int], tuple[dict[str, np.ndarray], list[np.ndarray]]] = {}
         self._lock = threading.Lock()
         # page-locked for DMA (cudaHostRegister) by a GPU worker at first use; never on a CPU worker
         self._registered = False
@@ -146,8 +146,7 @@ class WorkerSession:
             self._sock.close(linger=CLOSE_LINGER_MS)
             runtime.remove_socket_file(self.reply_endpoint)
         self._unregister()
-        self.feeds.clear()
-        self.outs.clear()
+        self.views.clear()
         self.segment.close()
 
     def _unregister(self) -> None:
