@@ -4,9 +4,11 @@
 the model as the config serves it (``instances`` threads running batches at once on one session, each run
 with ``intra_op_threads``), and, where that differs, one instance on all the cores this process may use.
 Each shape runs back to back at each batch size for a fixed time (all of them take turns, in rounds of
-about a second); the best items/s over shapes and batch sizes is what the broker, which adds IPC, batching
-and scheduling, is measured against. So a config that serves a model with several instances is measured
-against the best the CPU does in-process, not against a weaker single-instance figure.
+about a second); the sweep (``limit``) finds the best shape and batch size. ``Pinned`` keeps that one loaded
+and measures it again in windows that take turns with the broker's (bench/paired.py): the best the CPU does
+in-process, measured under the same machine state as the broker, is what the broker, which adds IPC,
+batching and scheduling, is measured against. So a config that serves a model with several instances is
+measured against the best the CPU does in-process, not against a weaker single-instance figure.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ class _Shape:
         self.runs = dict.fromkeys(batch_sizes, 0)
         self.seconds = dict.fromkeys(batch_sizes, 0.0)
 
-    def window(self, feeds: dict[str, np.ndarray], b: int, seconds: float, min_runs: int) -> None:
-        """``instances`` threads run batches of ``b`` back to back for ``seconds`` (at least ``min_runs`` in all)."""
+    def window(self, feeds: dict[str, np.ndarray], b: int, seconds: float, min_runs: int) -> tuple[int, float]:
+        """``instances`` threads run batches of ``b`` back to back for ``seconds`` (at least ``min_runs`` in all);
+        (runs, seconds) of this window, also added to the totals."""
         counts = [0] * self.instances
         t0 = time.perf_counter()
 
@@ -57,8 +60,10 @@ class _Shape:
         loop(0)
         for t in threads:
             t.join()
+        took = time.perf_counter() - t0
         self.runs[b] += sum(counts)
-        self.seconds[b] += time.perf_counter() - t0
+        self.seconds[b] += took
+        return sum(counts), took
 
     def rate(self, b: int) -> float:
         return self.runs[b] * b / self.seconds[b] if self.seconds[b] else 0.0
@@ -70,6 +75,10 @@ class _Shape:
                      "items_per_s": round(self.rate(b), 2)}
             for b in self.runs
         }
+
+
+def _feeds(engine: OnnxRuntimeEngine, b: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {s.name: rng.random((b, *s.item_shape), dtype=np.float32).astype(s.dtype) for s in engine.inputs}
 
 
 def limit(cfg: Config, model: str, batch_sizes: list[int], duration_s: float, progress: Progress,
@@ -87,9 +96,7 @@ def limit(cfg: Config, model: str, batch_sizes: list[int], duration_s: float, pr
     rng = np.random.default_rng(seed)
     rounds = max(1, round(duration_s / ROUND_S))
     try:
-        spec = shapes[0].engine.inputs
-        feeds = {b: {s.name: rng.random((b, *s.item_shape), dtype=np.float32).astype(s.dtype) for s in spec}
-                 for b in batch_sizes}
+        feeds = {b: _feeds(shapes[0].engine, b, rng) for b in batch_sizes}
         for shape in shapes:
             for b in batch_sizes:
                 for _ in range(WARMUP_RUNS):
@@ -107,6 +114,7 @@ def limit(cfg: Config, model: str, batch_sizes: list[int], duration_s: float, pr
     by_shape = {shape.name: shape.figures() for shape in shapes}
     best_shape, best = max(((name, b) for name, fig in by_shape.items() for b in fig),
                            key=lambda nb: by_shape[nb[0]][nb[1]]["items_per_s"])
+    winner = next(shape for shape in shapes if shape.name == best_shape)
     return {
         "model": model,
         "engine": "onnxruntime (gpu_worker.engines.onnxruntime.OnnxRuntimeEngine, in the bench process)",
@@ -117,7 +125,37 @@ def limit(cfg: Config, model: str, batch_sizes: list[int], duration_s: float, pr
         "rounds": rounds,
         "by_shape": by_shape,
         "best_shape": best_shape,
+        "best_instances": winner.instances,
+        "best_intra_op_threads": winner.intra_op_threads,
         "by_batch": by_shape[best_shape],
         "best_batch": int(best),
         "items_per_s": by_shape[best_shape][best]["items_per_s"],
     }
+
+
+class Pinned:
+    """The best shape and batch size of a ``limit`` sweep, loaded once and measured again window by window.
+
+    Measured again rather than taken from the sweep: the sweep's best of several noisy figures is biased
+    upwards by its own noise; a window of the chosen shape and batch is not, and is taken when the broker's is.
+    """
+
+    def __init__(self, cfg: Config, model: str, sweep: Figures, seed: int = 7) -> None:
+        self.batch = int(sweep["best_batch"])
+        self.shape = _Shape(model_source.resolve(cfg.model_path(model)), int(sweep["best_instances"]),
+                            int(sweep["best_intra_op_threads"]), [self.batch])
+        self.feeds = _feeds(self.shape.engine, self.batch, np.random.default_rng(seed))
+        for _ in range(WARMUP_RUNS):
+            self.shape.engine.run(self.feeds)
+
+    def __enter__(self) -> Pinned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shape.engine.close()
+
+    def measure(self, seconds: float) -> Figures:
+        """One window: ``seconds`` of back-to-back batches (at least ``MIN_RUNS``); ``per_s`` is items/s."""
+        runs, took = self.shape.window(self.feeds, self.batch, seconds, MIN_RUNS)
+        return {"shape": self.shape.name, "batch": self.batch, "runs": runs, "seconds": round(took, 3),
+                "ms_per_batch": round(1e3 * took * self.shape.instances / runs, 2), "per_s": round(runs * self.batch / took, 2)}

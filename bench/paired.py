@@ -3,7 +3,7 @@
 Each subject window is paired with the two baseline windows on either side of it: that round's ratio is the
 subject's figure over their mean, so a drift of the machine's speed cancels out of it. The run's ratio is the
 median of the rounds' ratios, so one window that the machine disturbed does not decide it. The merged
-measurements keep every window; with one round this is the former "before, subject, after" scheme.
+measurements keep every window; with one round this is "before, subject, after".
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def _merged(windows: list[Figures], names: tuple[str, ...]) -> Figures:
     for name in names:
         holder = out["latency"] if name in out.get("latency", {}) else out
         holder[name] = round(statistics.median(figure(w, name) or 0.0 for w in windows), 2)
-    out["errors"] = sum(int(w.get("errors", 0)) for w in windows)
+    if any("errors" in w for w in windows):  # an in-process window has no requests, so no errors field
+        out["errors"] = sum(int(w.get("errors", 0)) for w in windows)
     out["windows"] = windows
     return out
 

@@ -21,8 +21,9 @@ TARGETS: dict[str, tuple[tuple[str, str], tuple[str, str], str, float, str]] = {
         "tiny requests/s at 32 in flight, over raw ZeroMQ echoes/s at 32 in flight",
     ),
     "nsfw_throughput_over_inprocess_limit": (
-        ("nsfw_throughput", "per_s"), ("nsfw_inprocess", "items_per_s"), ">=", 0.9,
-        "nsfw images/s through the broker at 16 in flight, over the best in-process ONNX Runtime images/s",
+        ("nsfw_throughput", "per_s"), ("nsfw_inprocess", "per_s"), ">=", 0.9,
+        "nsfw images/s through the broker at 16 in flight, over in-process ONNX Runtime images/s at the best "
+        "shape and batch size of the sweep",
     ),
 }
 INFO_RATIOS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
@@ -30,6 +31,8 @@ INFO_RATIOS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
     # what any server that runs the model once per message costs: the floor under tiny_p50_over_echo_p50
     "floor_p50_over_echo_p50": (("floor_latency", "p50_us"), ("echo_latency", "p50_us")),
     "tiny_p50_over_floor_p50": (("tiny_latency", "p50_us"), ("floor_latency", "p50_us")),
+    # against the sweep's best figure, which its own noise biases upwards (bench/inprocess.Pinned)
+    "nsfw_throughput_over_sweep_best": (("nsfw_throughput", "per_s"), ("nsfw_inprocess_sweep", "items_per_s")),
 }
 
 
@@ -131,7 +134,8 @@ ROWS: list[tuple[str, str]] = [
     ("tiny_latency", "tiny via broker, 1 in flight"),
     ("echo_throughput", "raw zmq echo, 4 procs x 8 in flight"),
     ("tiny_throughput", "tiny via broker, 4 procs x 8 in flight"),
-    ("nsfw_inprocess", "nsfw in-process ORT, best batch"),
+    ("nsfw_inprocess_sweep", "nsfw in-process ORT sweep, best"),
+    ("nsfw_inprocess", "nsfw in-process ORT, best shape+batch"),
     ("nsfw_throughput", "nsfw via broker, 4 procs x 4 in flight"),
 ]
 
@@ -177,12 +181,9 @@ def table(doc: Figures) -> str:
         lat = f.get("latency", {})
         per_s = f.get("per_s", f.get("items_per_s"))
         notes = ""
-        if key == "nsfw_inprocess":
+        if key == "nsfw_inprocess_sweep":
             notes = f"{f.get('best_shape', '')}, batch {f['best_batch']} (" + ", ".join(
                 f"b{b}: {v['items_per_s']:.1f}" for b, v in f["by_batch"].items()) + ")"
-            if "before_items_per_s" in f:
-                notes = (f"mean of before {f['before_items_per_s']:.1f} and after {f['after_items_per_s']:.1f}; "
-                         + notes)
         else:
             notes = _window_notes(f)
         if isinstance(f.get("machine_cpu_busy_pct"), int | float):

@@ -3,9 +3,10 @@
 Order: with the echo server and the bench's own broker both up, (1) the floor's latency, then echo and
 ``tiny`` latency at concurrency 1 in interleaved rounds, (2) echo and ``tiny`` throughput at 4 processes x 8
 in flight in interleaved rounds (bench/paired.py: each target ratio is the median of the rounds'), (3) the
-in-process ONNX Runtime limit for ``nsfw`` (broker idle) and ``nsfw`` throughput at 4 processes x 4 in
-flight; then the broker is stopped with SIGTERM and /dev/shm checked; then (4) the ``nsfw`` limit again,
-with no broker running. Each ratio's figures are measured back to back, under the same machine conditions.
+in-process ONNX Runtime sweep for ``nsfw`` over shapes and batch sizes (broker idle), then its best shape
+and batch size and ``nsfw`` throughput at 4 processes x 4 in flight, in interleaved rounds the same way;
+then the broker is stopped with SIGTERM and /dev/shm checked. Each ratio's figures are measured in turns,
+under the same machine conditions.
 ``--plot``/``--sweep-only`` add the concurrency sweep (bench/sweep.py) after the broker's phases (or instead
 of them), and the picture (bench/plot.py). bench/README.md has the details.
 """
@@ -50,8 +51,8 @@ class Settings:
     warmup_s: float  # run, uncounted, before each window
     latency_requests: int
     latency_warmup: int
-    inprocess_s: float  # per batch size
-    rounds: int  # interleaved rounds of echo and tiny windows (bench/paired.py)
+    inprocess_s: float  # per shape and batch size in the nsfw sweep
+    rounds: int  # interleaved rounds of each target's two sides (bench/paired.py)
     processes: int = PROCESSES
     tiny_in_flight: int = TINY_IN_FLIGHT
     nsfw_in_flight: int = NSFW_IN_FLIGHT
@@ -83,8 +84,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--requests", type=int, default=None, metavar="N",
                     help="latency requests at concurrency 1 (default 5000, 2000 with --quick)")
     ap.add_argument("--rounds", type=int, default=None, metavar="N",
-                    help="interleaved rounds of echo and tiny windows, latency and throughput; each target ratio is "
-                         "the median of the rounds' ratios (default 3, 1 with --quick)")
+                    help="interleaved rounds of each target's two sides (echo and tiny latency, echo and tiny "
+                         "throughput, nsfw in-process and via the broker); each target ratio is the median of the "
+                         "rounds' ratios (default 3, 1 with --quick)")
     ap.add_argument("--plot", default=None, metavar="FILE.png",
                     help="also run the concurrency sweep and draw throughput against p50/p99 latency to FILE.png "
                          "(needs the plot extra: pip install 'shmbroker[plot]')")
@@ -158,17 +160,6 @@ class Bench:
     def inprocess_nsfw(self) -> Figures:
         return inprocess.limit(self.cfg, NSFW, NSFW_BATCH_SIZES, self.s.inprocess_s, self.progress)
 
-    def _average_limits(self) -> None:
-        """nsfw_inprocess.items_per_s becomes the mean of the before and after figures (both kept)."""
-        before = self.measurements.pop("nsfw_inprocess_before", None)
-        after = self.measurements.get("nsfw_inprocess")
-        if not (isinstance(before, dict) and isinstance(after, dict)) or "error" in before or "error" in after:
-            return
-        after["after_items_per_s"] = after["items_per_s"]
-        after["before_items_per_s"] = before["items_per_s"]
-        after["before_by_batch"] = before["by_batch"]
-        after["items_per_s"] = round((before["items_per_s"] + after["items_per_s"]) / 2, 2)
-
     def latency(self, target: Target, spec: Figures) -> Figures:
         (r,) = run_group(self.progress, target, [spec], expect_s=None)
         return {"concurrency": 1, "requests": self.s.latency_requests, "warmup_requests": self.s.latency_warmup,
@@ -208,14 +199,6 @@ class Bench:
         self.progress.phase("broker stopped")
         self.progress.done(f"exit code {shutdown['exit_code']}, /dev/shm "
                            f"{'clean' if not shutdown['shm_leaked'] else 'LEAKED ' + str(shutdown['shm_leaked'])}")
-        # after the broker is gone (idle machine), and right after the broker's nsfw phase (same conditions)
-        if NSFW in self.cfg.models and not s.sweep_only:
-            self.phase("nsfw_inprocess", f"nsfw in-process ONNX Runtime limit, batches {NSFW_BATCH_SIZES}, "
-                       f"{s.inprocess_s:g} s each (broker stopped)", self.inprocess_nsfw,
-                       lambda f: f"{f['items_per_s']:.2f} images/s, {f['best_shape']}, batch {f['best_batch']}")
-            self._average_limits()
-        elif not s.sweep_only:
-            self.skip("nsfw_inprocess", f"the config has no model {NSFW!r}")
         return shutdown
 
     def _broker_phases(self, broker: BrokerProcess, endpoint: str, floor_endpoint: str) -> None:
@@ -260,18 +243,37 @@ class Bench:
             self.phase(echo_lat.key, echo_lat.title, echo_lat.measure, echo_lat.summary)
             self.phase(echo_tput.key, echo_tput.title, echo_tput.measure, echo_tput.summary)
         if NSFW in self.cfg.models:
-            # the limit is measured before (broker idle) and after (broker stopped) the broker's phase, and the
-            # two are averaged: a drift of the machine's speed during the run then cancels out of the ratio
-            self.phase("nsfw_inprocess_before", f"nsfw in-process ONNX Runtime limit, batches {NSFW_BATCH_SIZES}, "
-                       f"{self.s.inprocess_s:g} s each (broker idle)", self.inprocess_nsfw,
-                       lambda f: f"{f['items_per_s']:.2f} images/s, {f['best_shape']}, batch {f['best_batch']}")
-            self.phase("nsfw_throughput", f"nsfw throughput via the broker, {s.processes} procs x {s.nsfw_in_flight} "
-                       f"in flight, 1 image each, {s.duration_s:g} s", lambda: self.with_server_counters(
-                           broker, NSFW, lambda: self.throughput(load.throughput_client, {
-                               "runtime_dir": rt, "model": NSFW, "warmup_requests": 2, "rows": 1}, s.nsfw_in_flight)),
-                       tput_summary("images"))
+            self._nsfw_phases(broker)
         else:
+            self.skip("nsfw_inprocess", f"the config has no model {NSFW!r}")
             self.skip("nsfw_throughput", f"the config has no model {NSFW!r}")
+
+    def _nsfw_phases(self, broker: BrokerProcess) -> None:
+        """The in-process sweep (broker idle) picks the best shape and batch size; that one, kept loaded, and
+        the broker's nsfw throughput then take turns in interleaved rounds, as echo and tiny do."""
+        s = self.s
+        self.phase("nsfw_inprocess_sweep", f"nsfw in-process ONNX Runtime sweep, batches {NSFW_BATCH_SIZES}, "
+                   f"{s.inprocess_s:g} s each (broker idle)", self.inprocess_nsfw,
+                   lambda f: f"{f['items_per_s']:.2f} images/s, {f['best_shape']}, batch {f['best_batch']}")
+        sweep_figures = self.measurements["nsfw_inprocess_sweep"]
+        if "error" in sweep_figures:
+            self.skip("nsfw_inprocess", "the in-process sweep failed")
+            self.skip("nsfw_throughput", "the in-process sweep failed")
+            return
+        with inprocess.Pinned(self.cfg, NSFW, sweep_figures) as pinned:
+            limit_side = paired.Side(
+                "nsfw_inprocess", f"nsfw in-process ONNX Runtime limit, {pinned.shape.name}, batch {pinned.batch}, "
+                f"{s.duration_s:g} s (broker idle)", lambda: pinned.measure(s.duration_s),
+                lambda f: f"{f['per_s']:.2f} images/s")
+            nsfw_side = paired.Side(
+                "nsfw_throughput", f"nsfw throughput via the broker, {s.processes} procs x {s.nsfw_in_flight} in "
+                f"flight, 1 image each, {s.duration_s:g} s", lambda: self.with_server_counters(
+                    broker, NSFW, lambda: self.throughput(load.throughput_client, {
+                        "runtime_dir": str(broker.runtime_dir), "model": NSFW, "warmup_requests": 2, "rows": 1},
+                        s.nsfw_in_flight)), lambda f: f"{f['per_s']:,.1f} images/s, {f['errors']} errors")
+            pair = paired.Pair(limit_side, nsfw_side, ("per_s",))
+            paired.run(pair, s.rounds, self.phase)
+            paired.merge(self.measurements, pair, s.rounds)
 
     def _sweep_phases(self, broker: BrokerProcess) -> None:
         """One phase per model of ``sweep.PLANS`` (``<model>_sweep``); a model the config lacks is skipped."""
@@ -332,7 +334,7 @@ def main(args: argparse.Namespace) -> int:
     s = Settings.of(args)
     want_json = bool(args.json or args.out)
     doc: Figures = {
-        "schema": "shmbroker-bench/1",
+        "schema": "shmbroker-bench/2",
         "date": _now_iso(),
         "machine": {**report.machine(), "background_cpu_busy_pct": psutil.cpu_percent(1.0)},
         "config": {"path": str(cfg_path), "settings": config.to_dict(cfg)},
