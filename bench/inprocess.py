@@ -158,4 +158,5 @@ class Pinned:
         """One window: ``seconds`` of back-to-back batches (at least ``MIN_RUNS``); ``per_s`` is items/s."""
         runs, took = self.shape.window(self.feeds, self.batch, seconds, MIN_RUNS)
         return {"shape": self.shape.name, "batch": self.batch, "runs": runs, "seconds": round(took, 3),
-                "ms_per_batch": round(1e3 * took * self.shape.instances / runs, 2), "per_s": round(runs * self.batch / took, 2)}
+                "ms_per_batch": round(1e3 * took * self.shape.instances / runs, 2),
+                "per_s": round(runs * self.batch / took, 2)}
