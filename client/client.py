@@ -10,6 +10,7 @@ and ``close``: client.lifecycle.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -54,6 +55,12 @@ T = TypeVar("T")
 SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
 
 
+class _Cork(threading.local):
+    """Per thread: ``on`` while that thread's submits are held back to leave together in one SUBMIT."""
+
+    on = False
+
+
 class Client(Receiving, Lifecycle):
     """One session with the broker: a ring of slots, links to the workers, an IO thread."""
 
@@ -88,7 +95,7 @@ class Client(Receiving, Lifecycle):
         self._slot_cond = threading.Condition()
         self._slot_waiters = 0
         self._ids = itertools.count(1)
-        self._cork = threading.local()
+        self._cork = _Cork()
         self._stop = threading.Event()
         self._wake_addr = f"inproc://wake-{id(self)}"
         self._wake_rx = self._ctx.socket(zmq.PAIR)
@@ -116,7 +123,7 @@ class Client(Receiving, Lifecycle):
         self._check_may_wait()
         plan, slot, views = self._fill(model, inputs, timeout)
         fut: Future[Outputs] = Future()
-        self._send(slot, plan, views, timeout, lambda r: self._resolve(fut, plan, slot, views, r), release=True,
+        self._send(slot, plan, views, timeout, functools.partial(self._resolve, fut, plan, slot, views), True,
                    hint_wait=True)
         try:
             return self.wait_for(fut, (timeout if timeout is not None else plan.info.timeout_ms / 1e3) + GRACE_S,
@@ -148,8 +155,9 @@ class Client(Receiving, Lifecycle):
         """Queue one request; the Future holds the output or a ShmBrokerError."""
         plan, slot, views = self._fill(model, inputs, timeout)
         fut: Future[Outputs] = Future()
-        self._role.unpark()  # a Future is completed by the IO thread (or by a thread waiting in infer)
-        self._send(slot, plan, views, timeout, lambda r: self._resolve(fut, plan, slot, views, r), release=True)
+        if self._role.parked:  # a Future is completed by the IO thread (or by a thread waiting in infer)
+            self._role.unpark()
+        self._send(slot, plan, views, timeout, functools.partial(self._resolve, fut, plan, slot, views), True)
         return fut
 
     def call(self, model: str, inputs: Inputs, callback: Callback, timeout: float | None = None) -> None:
@@ -160,13 +168,16 @@ class Client(Receiving, Lifecycle):
         requests submitted from a callback go out together in one message.
         """
         plan, slot, views = self._fill(model, inputs, timeout)
-        self._role.unpark()
-        self._send(slot, plan, views, timeout, lambda r: self._deliver(callback, plan, slot, views, r), release=True)
+        if self._role.parked:
+            self._role.unpark()
+        # a partial, not a lambda: completing the request then runs one Python frame fewer
+        self._send(slot, plan, views, timeout, functools.partial(self._deliver, callback, plan, slot, views), True)
 
     def _fill(self, model: str, inputs: Inputs, timeout: float | None) -> tuple[ModelPlan, int, SlotViews]:
         """Check the inputs, take a slot and copy them into it: (plan, slot, the slot's views)."""
         plan = self._plan(model)
-        check_timeout(timeout)
+        if timeout is not None:
+            check_timeout(timeout)
         arrays = self._arrays(plan, inputs)
         slot = self._acquire(timeout)
         views = self._views_for(plan, slot, arrays[0].shape[0])
@@ -249,6 +260,14 @@ class Client(Receiving, Lifecycle):
 
     def _acquire(self, timeout: float | None) -> int:
         """A free slot. list.pop is atomic under the GIL, so the common case takes no lock."""
+        if not self._stop.is_set():
+            try:
+                return self._free.pop()
+            except IndexError:
+                pass
+        return self._wait_for_slot(timeout)
+
+    def _wait_for_slot(self, timeout: float | None) -> int:
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._stop.is_set():
@@ -299,12 +318,12 @@ class Client(Receiving, Lifecycle):
         if hint_wait and hinted and self._hint_wait.taken(slot):
             return  # the worker admitted it from the slot header and expects no SUBMIT (PROTOCOL 4.2)
         link.queue.append((rid, slot, gen, plan.info.model_id, n_t, timeout_us, lay.in_descs))
-        if not getattr(self._cork, "on", False):
+        if not self._cork.on:
             self._flush(link)
 
     def _choose(self, plan: ModelPlan) -> Link | None:
         """The least-outstanding live worker that serves the model; ties go round robin."""
-        links = self._snapshot_links()
+        links = self._link_list  # replaced whole when a link comes or goes (_links_updated)
         n = len(links)
         if n == 1:  # one worker: nothing to choose
             link = links[0]
@@ -355,19 +374,23 @@ class Client(Receiving, Lifecycle):
                  r: P.Result | ShmBrokerError) -> tuple[Outputs | None, ShmBrokerError | None]:
         """(outputs copied out of the slot, None) or (None, the error); the slot is free afterwards."""
         try:
-            if isinstance(r, ShmBrokerError):
+            if r is views.layout.ok:  # the common case first: OK, outputs at the canonical offsets (_fast_done)
+                outs: tuple[np.ndarray, ...] | list[np.ndarray] = views.outs
+            elif isinstance(r, ShmBrokerError):
                 return None, r
-            if r.status != P.Status.OK:
+            elif r.status != P.Status.OK:
                 return None, from_status(r.status, r.message)
-            if r.tensors is views.layout.out_descs:
+            elif r.tensors is views.layout.out_descs:
                 # the canonical layout of the rows sent (checked byte for byte in _fast_done, or the header's)
-                outs = [v.copy() for v in views.outs]
+                outs = views.outs
             else:
-                by_index = {t.index: self.segment.output_view(slot, t.offset, plan.out_dtypes[t.index], t.shape).copy()
+                by_index = {t.index: self.segment.output_view(slot, t.offset, plan.out_dtypes[t.index], t.shape)
                             for t in r.tensors}
                 outs = [by_index[k] for k in range(len(plan.out_dtypes))]
             specs = plan.info.outputs
-            return (outs[0] if len(specs) == 1 else {s.name: o for s, o in zip(specs, outs, strict=True)}), None
+            if len(specs) == 1:
+                return outs[0].copy(), None
+            return {s.name: o.copy() for s, o in zip(specs, outs, strict=True)}, None
         except (RingError, IndexError, KeyError) as exc:  # a worker whose output descriptors do not fit
             return None, RequestError(f"the worker's output descriptors do not fit the slot: {exc!r}")
         finally:

@@ -145,8 +145,10 @@ class Receiving:
         self._flush_all()
 
     def _fast_done(self, link: Link, frames: list[bytes]) -> bool:
-        """Complete the requests of a DONE whose every result is OK with the canonical output layout (True);
-        otherwise complete none (False: the caller decodes the message in full)."""
+        """Complete the requests of a DONE whose every result is OK with the canonical output layout (True).
+        Otherwise (False) the caller decodes the message in full; the results before the first that needs it
+        may be completed already, and the full decode then skips them, as it skips any result whose request
+        is no longer in flight."""
         if len(frames) != 2 or frames[0] != DONE_ENVELOPE or len(frames[1]) < P.DONE_HEADER.size:
             return False
         body = frames[1]
@@ -156,8 +158,9 @@ class Receiving:
         if len(body) != t_base + t_size * n_t + text_len:
             return False
         pending = self._pending
-        hits = []
         for rid, slot, gen, status, first, count, _mo, _ml, _r in P.RESULT.iter_unpack(body[P.DONE_HEADER.size:t_base]):
+            # A callback run for an earlier result may have reused that result's slot: a repeat of it then
+            # finds another request there, and is skipped like any result not in flight.
             p = pending.get(slot)
             if p is None or p.request_id != rid or p.generation != gen:
                 continue  # already answered from the slot header (answered_in_slot), or not in flight
@@ -165,13 +168,9 @@ class Receiving:
             if (status or first > n_t or count != len(lay.out_descs) or count > n_t - first
                     or not body.startswith(lay.out_desc_bytes, t_base + t_size * first)):
                 return False
-            hits.append((slot, p))
-        for slot, p in hits:
-            # a callback may have reused a slot answered before it: the entry must still be this request's
-            if pending.get(slot) is p:
-                del pending[slot]
-                link.outstanding -= 1
-                p.on_done(p.layout.ok)
+            del pending[slot]
+            link.outstanding -= 1
+            p.on_done(lay.ok)
         return True
 
     def answered_in_slot(self, slot: int) -> bool:
