@@ -38,6 +38,7 @@ SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
 ROWS = struct.Struct("<q")
 ROWS_AT = 24  # dims[0] within a tensor descriptor
 SWEEP_S = 0.002  # how often queued requests are checked for expired deadlines
+SUBMITTED = int(SlotState.SUBMITTED)  # a plain int: compared once per request on the hot path
 
 
 class Worker:
@@ -240,31 +241,40 @@ class Worker:
         taken = []  # requests of this message already admitted from their hint: dropped
         records = body[P.SUBMIT_HEADER.size : t_base]
         t_size = P.TENSOR.size
+        # the model of the previous record and what the checks need of it: a message's requests are
+        # mostly for one model, so most records skip these lookups
+        last_id = -1
+        n_in = 0
+        canons: dict[int, tuple[bytes, list[P.TensorDesc]]] = {}
+        default_s = 0.0
+        entries: list[Work] = []
         for rid, slot, gen, model_id, first, count, timeout_us in P.REQUEST.iter_unpack(records):
             if hinted and (slot, gen) in hinted and (slot, gen) not in taken:  # a repeat is checked, as stale
                 taken.append((slot, gen))
                 continue
-            m = self.models.get(model_id)
-            if m is None:
-                return False
-            codec = m.runner.codec
-            if slot >= n_slots or count != codec.n_inputs or first > n_t or count > n_t - first:
+            if model_id != last_id:
+                m = self.models.get(model_id)
+                if m is None:
+                    return False
+                last_id, n_in, canons = model_id, m.runner.codec.n_inputs, m.runner.codec.inputs
+                default_s = m.view.timeout_ms / 1e3
+                group = by_model.get(model_id)
+                if group is None:
+                    group = by_model[model_id] = (m, [])
+                entries = group[1]
+            if slot >= n_slots or count != n_in or first > n_t or count > n_t - first:
                 return False
             start = t_base + t_size * first
             rows = ROWS.unpack_from(body, start + ROWS_AT)[0]
-            canon = codec.inputs.get(rows)
+            canon = canons.get(rows)
             # canon[0] is exactly count descriptors long: startswith compares them in place, without a copy
             if canon is None or rows > max_items or not body.startswith(canon[0], start):
                 return False
             state, generation = STATE_GEN.unpack_from(buf, bases[slot])
-            if state != SlotState.SUBMITTED or generation != gen:
+            if state != SUBMITTED or generation != gen:
                 return False
-            group = by_model.get(model_id)
-            if group is None:
-                group = by_model[model_id] = (m, [])
-            deadline = now + (timeout_us / 1e6 if timeout_us else m.view.timeout_ms / 1e3)
-            group[1].append(Work(session, P.SubmitRequest(rid, slot, gen, model_id, timeout_us, canon[1]), rows,
-                                 deadline, now))
+            entries.append(Work(session, P.SubmitRequest(rid, slot, gen, model_id, timeout_us, canon[1]), rows,
+                                now + (timeout_us / 1e6 if timeout_us else default_s), now))
             slots.append(slot)
         if session.detaching or not session.claim_slots(slots):
             return False

@@ -145,6 +145,25 @@ def test_coalesced_submit_answers_every_request(raw: RawClient) -> None:
         np.testing.assert_allclose(raw.output(r, "tiny"), direct("tiny", x), rtol=0, atol=1e-5)
 
 
+def test_one_submit_alternating_between_models_answers_each_from_its_own_model(raw: RawClient) -> None:
+    """The intake's fast path keeps the last record's model: a switch back and forth must not cross them."""
+    rng = np.random.default_rng(11)
+    plan = [("tiny", (1, 256)), ("nsfw", (1, 224, 224, 3)), ("tiny", (1, 256)), ("nsfw", (1, 224, 224, 3)),
+            ("tiny", (1, 256))]
+    xs = [rng.random(shape, dtype=np.float32) for _, shape in plan]
+    reqs = [raw.prepare(i, model, x) for i, ((model, _), x) in enumerate(zip(plan, xs, strict=True))]
+    raw.send(*reqs)
+    got: dict[int, P.Result] = {}
+    while len(got) < len(reqs):
+        results = raw.recv()
+        assert results is not None, f"only {len(got)} of {len(reqs)} answered"
+        got.update({r.request_id: r for r in results})
+    for req, (model, _), x in zip(reqs, plan, xs, strict=True):
+        r = got[req.request_id]
+        assert r.status == S.OK, r.message
+        np.testing.assert_allclose(raw.output(r, model), direct(model, x), rtol=0, atol=1e-5)
+
+
 def test_overload_is_answered_at_once(broker: RunningBroker) -> None:
     """nsfw has max_queue_size 3 in the test config: a burst of 8 overflows it."""
     x = np.zeros((1, 224, 224, 3), np.float32)
