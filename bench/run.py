@@ -368,12 +368,12 @@ def main(args: argparse.Namespace) -> int:
         _write(human, sys.stderr)
         _write(text, sys.stdout)
     else:
-        _write(human, sys.stdout)
-        if args.out:
+        if args.out:  # the file first: minutes of figures must not hang on a closed stdout
             out = Path(args.out)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text)
             progress.note(f"wrote {out}")
+        _write(human, sys.stdout)
     if bench.failures:
         sys.stderr.write("shmbroker bench: " + "; ".join(f.splitlines()[0] for f in bench.failures) + "\n")
         return 1
