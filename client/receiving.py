@@ -129,20 +129,25 @@ class Receiving:
                     frames = link.pull.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if self._fast_done(link, frames):
-                    continue
-                try:
-                    if P.read_envelope(frames) != P.MsgKind.DONE:
-                        raise P.ProtocolError("a reply socket carries only DONE")
-                    results = P.decode_done(frames[1]).results
-                except P.ProtocolError as exc:
-                    log.error("malformed DONE from worker %d: %s", link.worker_id, exc)
-                    continue
-                for r in results:
-                    self._complete(link, r)
+                self._on_done_message(link, frames)
         finally:
             self._cork.on = False
         self._flush_all()
+
+    def _on_done_message(self, link: Link, frames: list[bytes]) -> None:
+        """Complete the requests of one message from ``link``'s reply socket: the fast path, else the full
+        decode; a malformed message is logged and dropped."""
+        if self._fast_done(link, frames):
+            return
+        try:
+            if P.read_envelope(frames) != P.MsgKind.DONE:
+                raise P.ProtocolError("a reply socket carries only DONE")
+            results = P.decode_done(frames[1]).results
+        except P.ProtocolError as exc:
+            log.error("malformed DONE from worker %d: %s", link.worker_id, exc)
+            return
+        for r in results:
+            self._complete(link, r)
 
     def _fast_done(self, link: Link, frames: list[bytes]) -> bool:
         """Complete the requests of a DONE whose every result is OK with the canonical output layout (True).
