@@ -209,9 +209,6 @@ class Bench:
         def lat_summary(f: Figures) -> str:
             return f"p50 {f['latency']['p50_us']:.1f} us, p99 {f['latency']['p99_us']:.1f} us, {f['errors']} errors"
 
-        def tput_summary(unit: str) -> Callable[[Figures], str]:
-            return lambda f: f"{f['per_s']:,.1f} {unit}/s, {f['errors']} errors"
-
         echo_lat = paired.Side("echo_latency", f"raw zmq echo latency, 1 in flight, {s.latency_requests} requests",
                                lambda: self.latency(echo.latency_client, {"endpoint": endpoint, **lat}), lat_summary)
         self.phase("floor_latency", f"floor: echo server that also runs tiny once per message, "
@@ -270,7 +267,7 @@ class Bench:
                 f"flight, 1 image each, {s.duration_s:g} s", lambda: self.with_server_counters(
                     broker, NSFW, lambda: self.throughput(load.throughput_client, {
                         "runtime_dir": str(broker.runtime_dir), "model": NSFW, "warmup_requests": 2, "rows": 1},
-                        s.nsfw_in_flight)), lambda f: f"{f['per_s']:,.1f} images/s, {f['errors']} errors")
+                        s.nsfw_in_flight)), tput_summary("images"))
             pair = paired.Pair(limit_side, nsfw_side, ("per_s",))
             paired.run(pair, s.rounds, self.phase)
             paired.merge(self.measurements, pair, s.rounds)
@@ -286,6 +283,10 @@ class Bench:
             self.phase(f"{plan.model}_sweep", f"{plan.model} concurrency sweep via the broker, in flight "
                        f"{list(plan.concurrencies)}, {self.s.sweep_window_s * plan.window_scale:g} s each", run,
                        sweep.summary)
+
+
+def tput_summary(unit: str) -> Callable[[Figures], str]:
+    return lambda f: f"{f['per_s']:,.1f} {unit}/s, {f['errors']} errors"
 
 
 def _interrupt(signum: int, _frame: FrameType | None) -> None:

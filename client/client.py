@@ -374,15 +374,14 @@ class Client(Receiving, Lifecycle):
                  r: P.Result | ShmBrokerError) -> tuple[Outputs | None, ShmBrokerError | None]:
         """(outputs copied out of the slot, None) or (None, the error); the slot is free afterwards."""
         try:
-            if r is views.layout.ok:  # the common case first: OK, outputs at the canonical offsets (_fast_done)
+            if r is views.layout.ok:
+                # OK with the canonical layout of the rows sent (checked byte for byte in _fast_done, or the
+                # slot header's answer): the slot's own views
                 outs: tuple[np.ndarray, ...] | list[np.ndarray] = views.outs
             elif isinstance(r, ShmBrokerError):
                 return None, r
             elif r.status != P.Status.OK:
                 return None, from_status(r.status, r.message)
-            elif r.tensors is views.layout.out_descs:
-                # the canonical layout of the rows sent (checked byte for byte in _fast_done, or the header's)
-                outs = views.outs
             else:
                 by_index = {t.index: self.segment.output_view(slot, t.offset, plan.out_dtypes[t.index], t.shape)
                             for t in r.tensors}

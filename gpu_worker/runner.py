@@ -7,10 +7,14 @@ device engine with the same base.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import cast
 
@@ -148,11 +152,15 @@ class BatchRunner:
         reply(works, P.Status.INTERNAL, f"model {self.model.name!r} failed: {type(exc).__name__}")
 
     def _loop(self) -> None:
+        self._take_loop(self._run, self._busy)
+
+    def _take_loop(self, run: Callable[[Take[Work]], None], lock: AbstractContextManager[object]) -> None:
+        """Until stop: (1) take a due batch, then ``run`` it holding ``lock``."""
         while not self._stop.is_set():
             take = self.batcher.take(timeout=0.5)  # (1)
             if take is not None:
-                with self._busy:
-                    self._run(take)
+                with lock:
+                    run(take)
 
     def _run(self, take: Take[Work]) -> None:
         raise NotImplementedError
@@ -208,8 +216,12 @@ class ModelRunner(BatchRunner):
                  instances: int = 1) -> None:
         super().__init__(model, engine, batcher, counters)
         self._bufs = _Buffers(model)
-        self._more = [threading.Thread(target=self._instance_loop, args=(_Buffers(model),),
-                                       name=f"runner-{model.name}-{i}", daemon=True) for i in range(1, instances)]
+        # further instances: their own buffers, and no lock (only the first instance shares its buffers)
+        self._more = [
+            threading.Thread(target=self._take_loop, name=f"runner-{model.name}-{i}", daemon=True,
+                             args=(functools.partial(self._run_on, bufs=_Buffers(model)), contextlib.nullcontext()))
+            for i in range(1, instances)
+        ]
         self._in_item_bytes = [s.item_bytes for s in model.inputs]
         self._names = [s.name for s in model.inputs]
         self._out_item_bytes = [s.item_bytes for s in model.outputs]
@@ -221,13 +233,6 @@ class ModelRunner(BatchRunner):
 
     def _threads(self) -> list[threading.Thread]:
         return [self._thread, *self._more]
-
-    def _instance_loop(self, bufs: _Buffers) -> None:
-        """A further instance: takes batches like the first one's thread, and runs them on its own buffers."""
-        while not self._stop.is_set():
-            take = self.batcher.take(timeout=0.5)  # (1)
-            if take is not None:
-                self._run_on(take, bufs)
 
     def _run(self, take: Take[Work]) -> None:
         self._run_on(take, self._bufs)
