@@ -28,6 +28,7 @@ import zmq
 from broker import protocol as P
 from broker import runtime
 from broker.ring import RingError
+from broker.spin import SpinPolicy
 from client.checks import FORKS, check_timeout
 from client.errors import (
     BadInput,
@@ -62,7 +63,12 @@ class _Cork(threading.local):
 
 
 class Client(Receiving, Lifecycle):
-    """One session with the broker: a ring of slots, links to the workers, an IO thread."""
+    """One session with the broker: a ring of slots, links to the workers, an IO thread.
+
+    ``spin_us``: how long a thread that waits for answers (a caller in ``infer()``, the IO thread while
+    requests are in flight) polls without sleeping, and only while answers lately came back that fast;
+    0: never.
+    """
 
     def __init__(
         self, runtime_dir: str | os.PathLike[str] | None = None, *, slots: int = 0, max_items: int = 0,
@@ -104,6 +110,7 @@ class Client(Receiving, Lifecycle):
         self._wake_tx.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
         self._role = ReceiveRole(self._wake, spin_us)
+        self._io_spin = SpinPolicy(spin_us * 1000)
         self._hint_wait = HintWait(self.segment, spin_us * 1000)
         for info in hs.ready.workers:
             self._links[info.worker_id] = Link(self._ctx, info)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import platform
 import threading
 import time
@@ -20,6 +21,7 @@ import zmq
 
 from broker import protocol as P
 from broker.ring import SLOT_HEADER, STATE_GEN, Segment, SlotState
+from broker.spin import SpinPolicy
 from client.errors import ShmBrokerError, WorkerDied
 from client.lead import ReceiveRole
 from client.session import Link, ModelPlan, RowsLayout
@@ -56,6 +58,7 @@ class Receiving:
     _wake_tx: zmq.Socket[bytes]
     _wake_lock: threading.Lock
     _role: ReceiveRole
+    _io_spin: SpinPolicy  # when the IO thread polls without sleeping
     _links: dict[int, Link]
     _links_lock: threading.Lock
     _links_changed: bool
@@ -71,16 +74,23 @@ class Receiving:
         """(1) poll, (2) DONEs from workers, unless a caller receives them, (3) broker notices, (4) links up."""
         pollers: tuple[zmq.Poller, zmq.Poller] | None = None
         links: tuple[Link, ...] = ()
+        spin = self._io_spin
         try:
             while not self._stop.is_set():
                 if pollers is None or self._links_changed:
                     pollers, links = self._make_pollers()
                 if self._role.io_may_receive():
                     try:
-                        events = dict(pollers[0].poll(100))  # (1)
+                        events = self._poll(pollers[0])  # (1)
+                        answered = False
                         for link in links:
                             if link.pull in events:
+                                if not answered:
+                                    spin.arrived(time.perf_counter_ns())
+                                    answered = True
                                 self._drain_done(link)  # (2)
+                        if answered:
+                            spin.waiting(time.perf_counter_ns())
                     finally:
                         self._role.lock.release()
                 else:  # a caller waiting in infer() holds the reply sockets
@@ -102,6 +112,22 @@ class Receiving:
                             self._wake_rx.recv(zmq.NOBLOCK)
         except zmq.ContextTerminated:
             return
+
+    def _poll(self, poller: zmq.Poller) -> dict[Any, int]:
+        """The IO thread's poll. Right after it handled answers, while more are in flight and answers lately
+        came within the client's ``spin_us`` (broker.spin), it polls without sleeping until one comes or the
+        window ends. Why: on small and virtual machines a thread woken from sleep costs tens of microseconds
+        more per wake-up, and it is woken once per DONE message (bench/RESULTS.md, sixth session)."""
+        spin = self._io_spin
+        if spin.until and self._pending:
+            clock = time.perf_counter_ns
+            while clock() < spin.until:
+                events = poller.poll(0)
+                if events:
+                    return dict(events)
+                # a ready thread (ZeroMQ's IO thread bringing the answer, another process) runs first
+                os.sched_yield()
+        return dict(poller.poll(100))
 
     def _make_pollers(self) -> tuple[tuple[zmq.Poller, zmq.Poller], tuple[Link, ...]]:
         """(everything, everything but the reply sockets), and the links they cover."""

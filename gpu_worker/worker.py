@@ -22,13 +22,13 @@ from broker import protocol as P
 from broker import runtime
 from broker.config import Config
 from broker.ring import STATE_GEN, RingError, SlotState
+from broker.spin import SpinPolicy
 from gpu_worker.hints import Watch, hinted_submit
 from gpu_worker.intake import Rejected, check_slot, check_tensors
 from gpu_worker.models import ServedModel, build_models, model_info, overloaded_message
 from gpu_worker.ratelog import RateLimitedLog
 from gpu_worker.runner import Work, reply
 from gpu_worker.sessions import WorkerSession
-from gpu_worker.spin import SpinPolicy
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +109,13 @@ class Worker:
             if hinted:  # its caller is waiting: run it (3) before the poll, which costs tens of us on a cold core
                 spin.arrived(time.perf_counter_ns())
                 if self._run_inline():
-                    spin.ran_inline(time.perf_counter_ns())
+                    spin.waiting(time.perf_counter_ns())
             events = dict(poller.poll(0 if hinted else POLL_MS))  # (2)
             if self._data in events:
                 spin.arrived(time.perf_counter_ns())
                 self._drain_data()
                 if self._run_inline():  # (3) not after slow models: their runner threads need the cores
-                    spin.ran_inline(time.perf_counter_ns())
+                    spin.waiting(time.perf_counter_ns())
             if self._ctl in events and not self._drain_control():  # (4)
                 return
             self._sweep()  # (5)

@@ -7,6 +7,8 @@ worker could send it, and fed to the client's handler for reply messages.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -71,3 +73,54 @@ def test_a_done_mixing_ok_and_error_answers_each_request_once_even_when_a_callba
         assert list(c._pending) == [s0] and c._pending[s0].request_id > p2.request_id
         assert link.outstanding == 1
         link.push = real_push
+
+
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    if thread.ident is None:
+        raise AssertionError("the thread has not started")
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def _chain(c: Client, model: str, x: np.ndarray, n: int) -> list[float]:
+    """``n`` requests one after another through call(), each submitted by the previous one's callback;
+    returns the times (monotonic) at which the answers came."""
+    done = threading.Event()
+    at: list[float] = []
+
+    def on_done(_out: object, err: ShmBrokerError | None) -> None:
+        if err is not None:
+            raise AssertionError(f"request failed: {err}")
+        at.append(time.monotonic())
+        if len(at) < n:
+            c.call(model, x, on_done)
+        else:
+            done.set()
+
+    c.call(model, x, on_done)
+    assert done.wait(120), f"{len(at)} of {n} answers"
+    return at
+
+
+def test_the_io_thread_does_not_spin_with_nothing_in_flight(broker: RunningBroker) -> None:
+    x = np.zeros((1, 256), np.float32)
+    with Client(spin_us=300_000) as c:  # a long window: a spin would show as 0.3 s of CPU
+        _chain(c, "tiny", x, 300)  # back to back: the IO thread spins between these answers
+        before = _thread_cpu_s(c._io)
+        idle = threading.Event()
+        idle.wait(0.6)  # the window measured: nothing is in flight
+        used = _thread_cpu_s(c._io) - before
+    assert used < 0.05, f"the IO thread used {used:.3f} s of CPU in 0.6 s with nothing in flight"
+
+
+def test_the_io_thread_sleeps_while_answers_come_slower_than_its_spin_window(broker: RunningBroker) -> None:
+    x = np.zeros((1, 224, 224, 3), np.float32)
+    with Client() as probe:
+        at = _chain(probe, "nsfw", x, 6)
+    gap = float(np.median(np.diff(at)))  # what one nsfw answer takes here, end to end
+    spin_us = max(1, int(gap * 1e6 / 2))  # a spin after every answer would take up to half a core
+    with Client(spin_us=spin_us) as c:
+        _chain(c, "nsfw", x, 8)  # the policy learns that answers come slower than the window
+        before, t0 = _thread_cpu_s(c._io), time.monotonic()
+        _chain(c, "nsfw", x, 20)
+        share = (_thread_cpu_s(c._io) - before) / (time.monotonic() - t0)
+    assert share < 0.12, f"the IO thread used {share:.0%} of a core waiting for answers {gap * 1e3:.1f} ms apart"

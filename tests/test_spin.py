@@ -1,8 +1,8 @@
-"""gpu_worker.spin: the worker spins after inline batches only while requests come back within the window."""
+"""broker.spin: a loop spins after its work only while the next event comes back within the window."""
 
 from __future__ import annotations
 
-from gpu_worker.spin import SpinPolicy
+from broker.spin import SpinPolicy
 
 US = 1000
 
@@ -11,7 +11,7 @@ def test_spins_after_an_inline_batch_while_requests_come_quickly() -> None:
     p = SpinPolicy(1000 * US)
     now = 0
     for _ in range(20):
-        p.ran_inline(now)
+        p.waiting(now)
         assert p.until == now + 1000 * US
         now += 200 * US  # the next request arrives 200 us later, inside the window
         p.arrived(now)
@@ -21,23 +21,23 @@ def test_sparse_traffic_stops_the_spin_and_quick_traffic_brings_it_back() -> Non
     p = SpinPolicy(1000 * US)
     now = 0
     for _ in range(20):  # a request every 50 ms: spinning would only burn a core
-        p.ran_inline(now)
+        p.waiting(now)
         now += 50_000 * US
         p.arrived(now)
-    p.ran_inline(now)
+    p.waiting(now)
     assert p.until == 0
     spins = []
     for _ in range(30):  # back to back again: the average falls below the window within a few requests
         now += 100 * US
         p.arrived(now)
-        p.ran_inline(now)
+        p.waiting(now)
         spins.append(p.until != 0)
     assert spins[-1] and spins.index(True) <= 15
 
 
 def test_zero_never_spins() -> None:
     p = SpinPolicy(0)
-    p.ran_inline(5)
+    p.waiting(5)
     p.arrived(10)
-    p.ran_inline(10)
+    p.waiting(10)
     assert p.until == 0
