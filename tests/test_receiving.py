@@ -1,8 +1,10 @@
-"""client.receiving: one DONE message completes each of its requests exactly once, with its own outcome.
+"""client.receiving: one DONE message completes each of its requests exactly once, with its own outcome;
+the IO thread spins between answers only while more are in flight and come back within its window.
 
-A real broker serves the session, but the SUBMITs are kept from the worker (the link's push socket is
-replaced by a recorder), so the DONE below is the only answer these requests get: it is crafted as a
-worker could send it, and fed to the client's handler for reply messages.
+In the first test a real broker serves the session, but the SUBMITs are kept from the worker (the link's
+push socket is replaced by a recorder), so the DONE below is the only answer these requests get: it is
+crafted as a worker could send it, and fed to the client's handler for reply messages. The spin tests
+measure the IO thread's own CPU time under real traffic.
 """
 
 from __future__ import annotations
@@ -86,18 +88,21 @@ def _chain(c: Client, model: str, x: np.ndarray, n: int) -> list[float]:
     returns the times (monotonic) at which the answers came."""
     done = threading.Event()
     at: list[float] = []
+    errors: list[ShmBrokerError] = []
 
     def on_done(_out: object, err: ShmBrokerError | None) -> None:
         if err is not None:
-            raise AssertionError(f"request failed: {err}")
-        at.append(time.monotonic())
-        if len(at) < n:
+            errors.append(err)
+        else:
+            at.append(time.monotonic())
+        if len(at) < n and not errors:
             c.call(model, x, on_done)
         else:
             done.set()
 
     c.call(model, x, on_done)
     assert done.wait(120), f"{len(at)} of {n} answers"
+    assert not errors, errors
     return at
 
 
