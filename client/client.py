@@ -29,9 +29,8 @@ from broker import protocol as P
 from broker import runtime
 from broker.ring import RingError
 from broker.spin import SpinPolicy
-from client.checks import FORKS, check_timeout
+from client.checks import FORKS, check_rows, check_timeout, checked_arrays
 from client.errors import (
-    BadInput,
     Overloaded,
     RequestError,
     RequestTimeout,
@@ -207,7 +206,7 @@ class Client(Receiving, Lifecycle):
         """
         plan = self._plan(model)
         check_timeout(timeout)
-        self._check_rows(plan, rows, "rows")
+        check_rows(plan, rows, "rows", self.max_items)
         slot = self._acquire(timeout)
         req = Request(self, plan, slot, rows, timeout)
         try:
@@ -226,13 +225,6 @@ class Client(Receiving, Lifecycle):
             raise UnknownModel(f"model {model!r} is not served; models are {sorted(self.models)}")
         return plan
 
-    def _check_rows(self, plan: ModelPlan, rows: int, field: str) -> None:
-        limit = min(plan.info.max_batch, self.max_items)
-        if not 1 <= rows <= limit:
-            raise BadInput(f"{field}: expected 1..{limit} rows (model max_batch {plan.info.max_batch}, this "
-                           f"session's max_items {self.max_items}; see Client(max_items=...)), got {rows}",
-                           "BAD_SHAPE")
-
     def _arrays(self, plan: ModelPlan, inputs: Inputs) -> list[np.ndarray]:
         specs = plan.info.inputs
         if type(inputs) is dict and len(inputs) == 1 and len(specs) == 1:
@@ -241,29 +233,7 @@ class Client(Receiving, Lifecycle):
                 and inputs.shape[1:] == plan.in_item_shapes[0] and 1 <= inputs.shape[0] <= self.max_items
                 and inputs.shape[0] <= plan.info.max_batch):
             return [inputs]  # the common case, checked in one go; anything else gets the checks that explain
-        if isinstance(inputs, np.ndarray):
-            if len(specs) != 1:
-                raise BadInput(f"model {plan.info.name!r} takes inputs {[s.name for s in specs]}; pass a dict")
-            inputs = {specs[0].name: inputs}
-        extra = set(inputs) - {s.name for s in specs}
-        if extra:
-            raise BadInput(f"inputs {sorted(extra)}: model {plan.info.name!r} has no such input")
-        out: list[np.ndarray] = []
-        for k, spec in enumerate(specs):
-            if spec.name not in inputs:
-                raise BadInput(f"inputs[{spec.name!r}] is missing")
-            arr = np.asarray(inputs[spec.name])
-            if arr.dtype != plan.in_dtypes[k]:
-                raise BadInput(f"inputs[{spec.name!r}].dtype: expected {spec.dtype}, got {arr.dtype}", "BAD_DTYPE")
-            if arr.ndim != len(spec.shape) or arr.shape[1:] != plan.in_item_shapes[k]:
-                raise BadInput(f"inputs[{spec.name!r}].shape: expected [N, "
-                               f"{', '.join(map(str, spec.shape[1:]))}], got {list(arr.shape)}", "BAD_SHAPE")
-            if out and arr.shape[0] != out[0].shape[0]:
-                raise BadInput(f"inputs[{spec.name!r}].shape[0]: {arr.shape[0]} rows, first input has "
-                               f"{out[0].shape[0]}", "BAD_SHAPE")
-            self._check_rows(plan, arr.shape[0], f"inputs[{spec.name!r}].shape[0]")
-            out.append(arr)
-        return out
+        return checked_arrays(plan, inputs, self.max_items)
 
     def _acquire(self, timeout: float | None) -> int:
         """A free slot. list.pop is atomic under the GIL, so the common case takes no lock."""

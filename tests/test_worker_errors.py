@@ -6,6 +6,7 @@ would send them; the Python client would refuse most of them before sending.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -211,11 +212,15 @@ def test_a_slot_reused_as_soon_as_its_header_says_done_is_accepted(raw: RawClien
 
 
 def answered_in_header(raw: RawClient, slot: int, generation: int, within: float) -> bool:
+    """Spin on the slot header as the client library does: yielding on every turn, so that on two cores the
+    ZeroMQ IO threads that carry SUBMITs still run (a spin that does not yield starves them, and a SUBMIT
+    then arrives after more hinted requests than the worker remembers: PROTOCOL 4.2)."""
     end = time.monotonic() + within
     while time.monotonic() < end:
         state, gen, _rid, _status = raw.segment.read_slot(slot)
         if state in ANSWERED and gen == generation:
             return True
+        os.sched_yield()
     return False
 
 
