@@ -18,6 +18,7 @@ from typing import Any
 
 import zmq
 
+from broker.spin import SpinPolicy
 from client.session import Link
 
 POLL_SLICE_MS = 10  # a leader checks this often whether the IO thread needs the sockets back
@@ -36,8 +37,8 @@ class ReceiveRole:
         self.parked = False
         self.wanted = False
         self._wake = wake
-        self._spin_ns = spin_us * 1000
-        self._recent_ns = 0  # moving average of a led wait: spin only when answers come back within the spin
+        # a led wait spins only while answers lately came back within the window (the IO thread's policy)
+        self._spin = SpinPolicy(spin_us * 1000)
         self._local = threading.local()
         self._poller: tuple[tuple[Link, ...], zmq.Poller, dict[Any, Link]] | None = None
 
@@ -83,21 +84,20 @@ class ReceiveRole:
                 self.unpark()
                 return
         self._local.on = True
-        start = time.perf_counter_ns()
+        self._spin.waiting(time.perf_counter_ns())
         try:
-            self._receive(fut, until, links, drain, start, peek)
+            self._receive(fut, until, links, drain, self._spin.until, peek)
         finally:
             self._local.on = False
             self.lock.release()
             if fut.done():
-                self._recent_ns += (time.perf_counter_ns() - start - self._recent_ns) // 8
+                self._spin.arrived(time.perf_counter_ns())
             if not fut.done() or others_pending():
                 self.parked = False
                 self._wake()
 
     def _receive(self, fut: Future[Any], until: float, links: Callable[[], tuple[Link, ...]],
-                 drain: Callable[[Link], None], start: int, peek: Callable[[], bool] | None) -> None:
-        spin_end = start + self._spin_ns if self._recent_ns < self._spin_ns else 0
+                 drain: Callable[[Link], None], spin_end: int, peek: Callable[[], bool] | None) -> None:
         clock = time.perf_counter_ns
         while not fut.done() and not self.wanted:
             left = until - time.monotonic()
