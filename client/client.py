@@ -65,8 +65,8 @@ class Client(Receiving, Lifecycle):
     """One session with the broker: a ring of slots, links to the workers, an IO thread.
 
     ``spin_us``: how long a thread that waits for answers (a caller in ``infer()``, the IO thread while
-    requests are in flight) polls without sleeping, and only while answers lately came back that fast;
-    0: never.
+    requests are in flight) polls without sleeping, and only while most recent answers came back that fast
+    (broker.spin); 0: never.
     """
 
     def __init__(

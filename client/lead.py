@@ -37,7 +37,7 @@ class ReceiveRole:
         self.parked = False
         self.wanted = False
         self._wake = wake
-        # a led wait spins only while answers lately came back within the window (the IO thread's policy)
+        # a led wait spins only while most answers came back within the window (the IO thread's policy)
         self._spin = SpinPolicy(spin_us * 1000)
         self._local = threading.local()
         self._poller: tuple[tuple[Link, ...], zmq.Poller, dict[Any, Link]] | None = None

@@ -114,7 +114,7 @@ class Receiving:
             return
 
     def _poll(self, poller: zmq.Poller) -> dict[Any, int]:
-        """The IO thread's poll. Right after it handled answers, while more are in flight and answers lately
+        """The IO thread's poll. Right after it handled answers, while more are in flight and most recent answers
         came within the client's ``spin_us`` (broker.spin), it polls without sleeping until one comes or the
         window ends. Why: on small and virtual machines a thread woken from sleep costs tens of microseconds
         more per wake-up, and it is woken once per DONE message (bench/RESULTS.md, sixth session)."""

@@ -143,7 +143,7 @@ class Worker:
         Why: on small and virtual machines a core woken from sleep runs the next request two to three
         times slower (cold caches, a slow wake-up), which dominates the round trip of cheap models.
         ``SpinPolicy`` sets ``until_ns``: at most ``worker.spin_us`` after an inline batch, and only while
-        requests lately came within that window, so an idle or busy machine's worker sleeps. It also
+        most requests came within that window, so an idle or busy machine's worker sleeps. It also
         admits a request hinted in the watched slot (gpu_worker.hints); returns whether it did.
         """
         clock = time.perf_counter_ns
