@@ -42,7 +42,7 @@ from client.errors import (
 from client.hintwait import HintWait
 from client.lead import ReceiveRole
 from client.lifecycle import Lifecycle
-from client.receiving import SLOT_ANSWERS, Pending, Receiving
+from client.receiving import IO_SPIN_REACH, SLOT_ANSWERS, Pending, Receiving
 from client.request import Request
 from client.session import GRACE_S, Link, ModelPlan, SlotViews, control_socket, handshake
 
@@ -66,7 +66,7 @@ class Client(Receiving, Lifecycle):
 
     ``spin_us``: how long a thread that waits for answers (a caller in ``infer()``, the IO thread while
     requests are in flight) polls without sleeping, and only while most recent answers came back that fast
-    (broker.spin); 0: never.
+    (within four windows for the IO thread; broker.spin, client.receiving.IO_SPIN_REACH); 0: never.
     """
 
     def __init__(
@@ -109,7 +109,7 @@ class Client(Receiving, Lifecycle):
         self._wake_tx.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
         self._role = ReceiveRole(self._wake, spin_us)
-        self._io_spin = SpinPolicy(spin_us * 1000)
+        self._io_spin = SpinPolicy(spin_us * 1000, reach=IO_SPIN_REACH)
         self._hint_wait = HintWait(self.segment, spin_us * 1000)
         for info in hs.ready.workers:
             self._links[info.worker_id] = Link(self._ctx, info)

@@ -33,6 +33,10 @@ DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
 # total store order: the worker's output bytes are visible before its state word. x86-64 gives that;
 # elsewhere (ARM) answers come only by their DONE message.
 SLOT_ANSWERS = platform.machine().lower() in ("x86_64", "amd64")
+# The IO thread spins after answers while most answers come within this many of its windows (broker.spin's
+# reach), not one: it spins only while requests are in flight, and it is on a slow or preempted machine,
+# with answers 1-2 ms apart, that sleeping between them costs the most (bench/RESULTS.md, seventh session).
+IO_SPIN_REACH = 4
 
 
 @dataclass(slots=True)
@@ -114,10 +118,11 @@ class Receiving:
             return
 
     def _poll(self, poller: zmq.Poller) -> dict[Any, int]:
-        """The IO thread's poll. Right after it handled answers, while more are in flight and most recent answers
-        came within the client's ``spin_us`` (broker.spin), it polls without sleeping until one comes or the
-        window ends. Why: on small and virtual machines a thread woken from sleep costs tens of microseconds
-        more per wake-up, and it is woken once per DONE message (bench/RESULTS.md, sixth session)."""
+        """The IO thread's poll. Right after it handled answers, while more are in flight and most recent
+        answers came within ``IO_SPIN_REACH`` windows of the client's ``spin_us`` (broker.spin), it polls
+        without sleeping until one comes or the window ends. Why: on small and virtual machines a thread
+        woken from sleep costs tens of microseconds more per wake-up, and it is woken once per DONE message
+        (bench/RESULTS.md, sixth and seventh sessions)."""
         spin = self._io_spin
         if spin.until and self._pending:
             clock = time.perf_counter_ns

@@ -37,6 +37,12 @@ max_queue_delay_us = 2000
 max_queue_size = 3
 timeout_ms = 20000
 """
+# For tests of requests taken from their hint: the worker spins 20 ms after an inline batch, so that it
+# still spins when a slow stretch of the machine puts more than the default 1 ms between requests.
+HINT_SPIN = """
+[worker]
+spin_us = 20000
+"""
 
 
 def arr(y: object) -> np.ndarray:

@@ -16,7 +16,7 @@ import pytest
 from client import AsyncClient, BadInput, Client, RequestTimeout, UnknownModel
 from client.client import Outputs
 from gpu_worker.model_source import resolve, tiny_model_bytes
-from tests.conftest import TEST_MODELS, RunningBroker, arr, run_client_processes, start_broker
+from tests.conftest import HINT_SPIN, TEST_MODELS, RunningBroker, arr, run_client_processes, start_broker
 
 
 @cache
@@ -208,7 +208,8 @@ def test_blocking_calls_send_no_submit_for_a_request_the_worker_took_from_its_hi
     that never spins (thread mode) gets every SUBMIT."""
     # as configs/default.toml has it: a lone request is due at once and runs inline, after which the
     # worker process spins (the test config's 2 ms batching delay would hand it to the runner thread)
-    models = TEST_MODELS.replace("max_queue_delay_us = 2000", "max_queue_delay_us = 0", 1)
+    # and a spin window wide enough that a slow stretch of the machine cannot stop the worker's spin
+    models = TEST_MODELS.replace("max_queue_delay_us = 2000", "max_queue_delay_us = 0", 1) + HINT_SPIN
     b = start_broker(tmp_path, worker_mode, models=models)
     try:
         rng = np.random.default_rng(5)

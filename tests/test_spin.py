@@ -59,6 +59,22 @@ def test_mostly_slow_events_stop_the_spin() -> None:
     assert p.until == 0
 
 
+def test_a_reach_of_several_windows_spins_for_events_past_one_window() -> None:
+    """Events 2 ms apart: past a 1 ms window, within a reach of four windows (the client's IO thread)."""
+    one, four = SpinPolicy(1000 * US), SpinPolicy(1000 * US, reach=4)
+    now = 0
+    for _ in range(20):
+        for p in (one, four):
+            p.waiting(now)
+        now += 2000 * US
+        for p in (one, four):
+            p.arrived(now)
+    one.waiting(now)
+    four.waiting(now)
+    assert one.until == 0
+    assert four.until == now + 1000 * US  # it still spins one window, not four
+
+
 def test_zero_never_spins() -> None:
     p = SpinPolicy(0)
     p.waiting(5)
