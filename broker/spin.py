@@ -22,7 +22,7 @@ class SpinPolicy:
         self.reach_ns = reach * spin_ns  # an event that comes within this of ``waiting`` is a hit
         self.until = 0  # perf_counter_ns() deadline of the current spin; 0: none
         self._done_at = 0
-        self._hits = HIT_ONE  # moving share (of HIT_ONE) of the events that came within the window
+        self._hits = HIT_ONE  # moving share (of HIT_ONE) of the events that came within the reach
 
     def arrived(self, now: int) -> None:
         if self._done_at:
