@@ -126,7 +126,7 @@ def test_the_io_thread_sleeps_while_answers_come_slower_than_its_spin_reach(brok
     # the reach (IO_SPIN_REACH windows) is half the gap; a spin after every answer would take 1/8 of a core
     spin_us = max(1, int(gap * 1e6 / (2 * IO_SPIN_REACH)))
     with Client(spin_us=spin_us) as c:
-        _chain(c, "nsfw", x, 8)  # the policy learns that answers come slower than the window
+        _chain(c, "nsfw", x, 8)  # the policy learns that answers come slower than the reach
         before, t0 = _thread_cpu_s(c._io), time.monotonic()
         _chain(c, "nsfw", x, 20)
         share = (_thread_cpu_s(c._io) - before) / (time.monotonic() - t0)
