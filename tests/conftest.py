@@ -37,9 +37,11 @@ max_queue_delay_us = 2000
 max_queue_size = 3
 timeout_ms = 20000
 """
-# For tests of requests taken from their hint: the worker spins 20 ms after an inline batch, so that it
-# still spins when a slow stretch of the machine puts more than the default 1 ms between requests.
-HINT_SPIN = """
+# For tests of requests taken from their hint. As configs/default.toml has it, a lone tiny request is due at
+# once and runs inline, after which the worker process spins (TEST_MODELS' 2 ms batching delay would hand it
+# to the runner thread); and the worker spins 20 ms, so that a slow stretch of the machine, with more than
+# the default 1 ms between requests, cannot stop its spin.
+HINT_MODELS = TEST_MODELS.replace("max_queue_delay_us = 2000", "max_queue_delay_us = 0", 1) + """
 [worker]
 spin_us = 20000
 """

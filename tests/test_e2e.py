@@ -16,7 +16,7 @@ import pytest
 from client import AsyncClient, BadInput, Client, RequestTimeout, UnknownModel
 from client.client import Outputs
 from gpu_worker.model_source import resolve, tiny_model_bytes
-from tests.conftest import HINT_SPIN, TEST_MODELS, RunningBroker, arr, run_client_processes, start_broker
+from tests.conftest import HINT_MODELS, TEST_MODELS, RunningBroker, arr, run_client_processes, start_broker
 
 
 @cache
@@ -206,10 +206,7 @@ def test_blocking_calls_send_no_submit_for_a_request_the_worker_took_from_its_hi
     """infer() and Request.run() get the right answers either way; a spinning worker (process mode) takes some
     requests from their slot header and clears the hint, and those requests' SUBMITs are never sent. A worker
     that never spins (thread mode) gets every SUBMIT."""
-    # as configs/default.toml has it: a lone request is due at once and runs inline, after which the
-    # worker process spins (the test config's 2 ms batching delay would hand it to the runner thread)
-    # and a spin window wide enough that a slow stretch of the machine cannot stop the worker's spin
-    models = TEST_MODELS.replace("max_queue_delay_us = 2000", "max_queue_delay_us = 0", 1) + HINT_SPIN
+    models = HINT_MODELS
     b = start_broker(tmp_path, worker_mode, models=models)
     try:
         rng = np.random.default_rng(5)

@@ -16,7 +16,7 @@ import pytest
 from broker import protocol as P
 from broker.ring import SlotState
 from client import Client, Overloaded
-from tests.conftest import HINT_SPIN, TEST_MODELS, RunningBroker, arr, start_broker
+from tests.conftest import HINT_MODELS, RunningBroker, arr, start_broker
 from tests.rawclient import RawClient
 from tests.test_e2e import direct
 
@@ -227,10 +227,7 @@ def answered_in_header(raw: RawClient, slot: int, generation: int, within: float
 def test_a_spinning_worker_takes_hinted_requests_and_drops_their_late_submits(tmp_path: Path) -> None:
     """Requests copied into the slot header are answered before their SUBMIT is sent; the SUBMITs, sent later
     together, are dropped: every request is answered exactly once, OK, with its own result."""
-    # as configs/default.toml has it: a lone request is due at once and runs inline, after which the
-    # worker process spins (the test config's 2 ms batching delay would hand it to the runner thread)
-    # and a spin window wide enough that a slow stretch of the machine cannot stop the worker's spin
-    models = TEST_MODELS.replace("max_queue_delay_us = 2000", "max_queue_delay_us = 0", 1) + HINT_SPIN
+    models = HINT_MODELS
     b = start_broker(tmp_path, "process", models=models)
     raw = RawClient(b.runtime_dir)
     try:
@@ -274,8 +271,7 @@ def test_a_spinning_worker_takes_hinted_requests_and_drops_their_late_submits(tm
 
 def test_a_submit_naming_a_hinted_request_twice_gets_one_stale_answer(tmp_path: Path) -> None:
     """The first entry is the hinted request's own SUBMIT (dropped); the repeat is refused, and the worker serves on."""
-    # and a spin window wide enough that a slow stretch of the machine cannot stop the worker's spin
-    models = TEST_MODELS.replace("max_queue_delay_us = 2000", "max_queue_delay_us = 0", 1) + HINT_SPIN
+    models = HINT_MODELS
     b = start_broker(tmp_path, "process", models=models)
     raw = RawClient(b.runtime_dir)
     try:
