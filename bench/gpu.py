@@ -1,8 +1,9 @@
 """``shmbroker bench --gpu`` (or ``python -m bench.gpu``): the GPU pipeline against its two yardsticks, one run.
 
-Order: copy calls (per call against batched), (a) the in-process limit with CUDA graphs, (b) the classic
-synchronous server under the 16 client processes, (c) shmbroker under 16 client processes each sending
-batch-1 requests, GPU utilization sampled meanwhile. bench/README.md says what each figure means.
+Order: copy calls (per call against batched), (b) the classic synchronous server under the 16 client processes,
+then for each engine of ``--engines`` (eager PyTorch with CUDA graphs, the inductor package): (a) its in-process
+limit over a batch sweep up to 256 and (c) shmbroker on it under 16 client processes each sending batch-1
+requests, GPU utilization sampled meanwhile. bench/README.md says what each figure means.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_classic, gpu_inprocess, gpu_load, gpu_report, report
+from bench import gpu_classic, gpu_inprocess, gpu_load, gpu_report, gpu_variants, report
 from bench.broker_proc import BrokerProcess
 from bench.common import BenchError, Figures, Progress, latency_summary
 from bench.procs import Target, run_group
@@ -26,6 +27,7 @@ from broker import config
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "gpu.toml"
 MODEL = "nsfw"
 PHASES = ("copies", "limit", "classic", "broker")
+ENGINES = ("torch", "inductor")
 
 
 @dataclass(frozen=True)
@@ -55,46 +57,65 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-dir", default=None, metavar="DIR", help="keep the broker's log there")
     ap.add_argument("--only", default=",".join(PHASES), metavar="PHASES",
                     help=f"comma-separated subset of {','.join(PHASES)} (tuning runs; targets then read n/a)")
+    ap.add_argument("--engines", default="", metavar="NAMES",
+                    help=f"comma-separated subset of {','.join(ENGINES)}, each measured with (a) and (c) "
+                         "(default: the config's engine)")
+    ap.add_argument("--inductor", default="", metavar="PACKAGE",
+                    help="the inductor column's package (shmbroker build --engine inductor)")
+    ap.add_argument("--sweep-max", type=int, default=256, metavar="N",
+                    help="(a) sweeps batch sizes 1, 2, 4, ... up to N whatever the config's max_batch (default 256)")
+    ap.add_argument("--max-batch", type=int, default=0, metavar="N",
+                    help="the model's max_batch in (c), instead of the config's")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One engine's column: the config it runs with, written where its broker reads it."""
+
+    engine: str
+    cfg: config.Config
+    path: Path
 
 
 class GpuBench:
-    def __init__(self, cfg: config.Config, cfg_path: Path, s: Settings, progress: Progress) -> None:
-        self.cfg, self.cfg_path, self.s, self.progress = cfg, cfg_path, s, progress
-        mc = cfg.models[MODEL]
+    def __init__(self, cfg: config.Config, s: Settings, progress: Progress, sweep_max: int = 256) -> None:
+        self.cfg, self.s, self.progress, self.sweep_max = cfg, s, progress, sweep_max
         self.device = int(cfg.worker.devices[0])
-        self.max_batch = mc.max_batch
-        self.delay_ms = mc.max_queue_delay_us / 1e3
-        self.measurements: dict[str, Figures] = {}
+        self.measurements: dict[str, Figures] = {"engines": {}}
         self.failures: list[str] = []
         self.log_dir: Path | None = None
 
-    def phase(self, key: str, title: str, fn: Any) -> None:
+    def phase(self, into: Figures, key: str, title: str, fn: Any) -> None:
         self.progress.phase(title)
         try:
-            self.measurements[key] = fn()
-            self.progress.done(gpu_report.summary(key, self.measurements[key]))
+            into[key] = fn()
+            self.progress.done(gpu_report.summary(key, into[key]))
         except (BenchError, RuntimeError, OSError) as exc:  # CudaError, EngineError are RuntimeErrors
-            self.failures.append(f"{key}: {exc}")
-            self.measurements[key] = {"error": str(exc)}
+            self.failures.append(f"{title}: {exc}")
+            into[key] = {"error": str(exc)}
             self.progress.note(f"FAILED: {exc}")
 
     def specs(self, extra: Figures) -> list[dict[str, Any]]:
         return [{"index": i, "seed": 100 + i, "shape": [1, 224, 224, 3], "warmup_s": self.s.warmup_s,
                  "duration_s": self.s.duration_s, **extra} for i in range(self.s.processes)]
 
-    def run(self, workdir: Path, only: set[str]) -> None:
+    def run(self, workdir: Path, only: set[str], columns: list[Column]) -> None:
+        m = self.measurements
         if "copies" in only:
-            self.phase("copies", "copy calls: one per request against one batched call",
+            self.phase(m, "copies", "copy calls: one per request against one batched call",
                        lambda: gpu_inprocess.copies(self.device, 224 * 224 * 3 * 4, 2 * 4))
-        if "limit" in only:
-            self.phase("limit", "(a) in-process limit, CUDA graphs", lambda: gpu_inprocess.limit(
-                self.cfg, MODEL, self.device, 2 * self.s.duration_s, self.progress))
         if "classic" in only:
-            self.phase("classic", f"(b) classic synchronous server, {self.s.processes} client processes",
+            self.phase(m, "classic", f"(b) classic synchronous server, {self.s.processes} client processes",
                        lambda: self.classic(workdir))
-        if "broker" in only:
-            self.phase("broker", f"(c) shmbroker, {self.s.processes} processes x {self.s.in_flight} batch-1 "
-                       "requests", lambda: self.broker(workdir))
+        for col in columns:
+            into: Figures = m["engines"].setdefault(col.engine, {})
+            if "limit" in only:
+                self.phase(into, "limit", f"(a) {col.engine}: in-process limit, CUDA graphs, batches up to "
+                           f"{self.sweep_max}", lambda col=col: gpu_inprocess.limit(
+                               col.cfg, MODEL, self.device, 2 * self.s.duration_s, self.progress, self.sweep_max))
+            if "broker" in only:
+                self.phase(into, "broker", f"(c) {col.engine}: shmbroker, {self.s.processes} processes x "
+                           f"{self.s.in_flight} batch-1 requests", lambda col=col: self.broker(workdir, col))
 
     def _group(self, target: Target, specs: list[dict[str, Any]], sampler: gpu_load.Sampler) -> Figures:
         sampler.start()
@@ -122,8 +143,11 @@ class GpuBench:
             out = self._group(gpu_classic.client, specs, gpu_load.Sampler(self.device))
         return {**out, "fp16": mc.fp16, "clients": self.s.processes}
 
-    def broker(self, workdir: Path) -> Figures:
-        with BrokerProcess(self.cfg_path, workdir, self.progress) as b:
+    def broker(self, workdir: Path, col: Column) -> Figures:
+        mc = col.cfg.models[MODEL]
+        run_dir = workdir / col.engine
+        run_dir.mkdir(exist_ok=True)
+        with BrokerProcess(col.path, run_dir, self.progress) as b:
             self.progress.note(f"broker ready in {b.startup_s:.1f} s")
             specs = self.specs({"runtime_dir": str(b.runtime_dir), "model": MODEL, "in_flight": self.s.in_flight,
                                 "warmup_requests": 20})
@@ -133,16 +157,34 @@ class GpuBench:
             finally:
                 if self.log_dir is not None:
                     self.log_dir.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(b.log_path, self.log_dir / "broker.log")
+                    shutil.copyfile(b.log_path, self.log_dir / f"broker-{col.engine}.log")
             window = sampler.stats_window(*out["window_monotonic"])
             if window is not None:
                 (ta, before), (tb, after) = window
                 out["stages"] = gpu_load.stage_figures(before, after, MODEL, tb - ta)
         out["shutdown"] = b.shutdown_figures()
+        out["startup_s"] = None if b.startup_s is None else round(b.startup_s, 2)
         if not out["shutdown"]["shm_clean"]:
-            self.failures.append(f"broker: unclean shutdown {out['shutdown']}")
+            self.failures.append(f"broker ({col.engine}): unclean shutdown {out['shutdown']}")
         return {**out, "clients": self.s.processes, "in_flight_per_client": self.s.in_flight,
-                "max_batch": self.max_batch, "max_queue_delay_ms": self.delay_ms}
+                "max_batch": mc.max_batch, "max_queue_delay_ms": mc.max_queue_delay_us / 1e3}
+
+
+def columns(cfg: config.Config, args: argparse.Namespace, workdir: Path) -> list[Column]:
+    """The engine columns that ``--engines`` asks for, each with its config written into ``workdir``."""
+    names = [e.strip() for e in (args.engines or cfg.models[MODEL].engine).split(",") if e.strip()]
+    unknown = sorted(set(names) - set(ENGINES))
+    if unknown:
+        raise SystemExit(f"--engines: {unknown} are not among {list(ENGINES)}")
+    package = args.inductor or (cfg.model_path(MODEL) if cfg.models[MODEL].engine == "inductor" else "")
+    out = []
+    for name in names:
+        try:
+            variant = gpu_variants.engine_config(cfg, MODEL, name, package, args.max_batch)
+        except config.ConfigError as exc:
+            raise SystemExit(str(exc)) from None
+        out.append(Column(name, variant, gpu_variants.write(variant, workdir / f"{name}.toml")))
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -154,19 +196,22 @@ def main(args: argparse.Namespace) -> int:
     s = Settings.of(args)
     from gpu_worker import cuda
 
-    doc: Figures = {"schema": "shmbroker-bench-gpu/1",
+    doc: Figures = {"schema": "shmbroker-bench-gpu/2",
                     "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
                     "machine": {**report.machine(), "gpu": cuda.device_name(int(cfg.worker.devices[0]))},
                     "config": {"path": str(cfg_path), "settings": config.to_dict(cfg)}, "settings": asdict(s)}
-    bench = GpuBench(cfg, cfg_path, s, progress)
+    bench = GpuBench(cfg, s, progress, args.sweep_max)
     bench.log_dir = Path(args.log_dir) if getattr(args, "log_dir", None) else None
     workdir = Path(tempfile.mkdtemp(prefix="shmbroker-bench-gpu-"))
     try:
-        bench.run(workdir, {p.strip() for p in getattr(args, "only", ",".join(PHASES)).split(",")})
+        cols = columns(cfg, args, workdir)
+        doc["engines"] = {c.engine: {"config": config.to_dict(c.cfg)["models"]} for c in cols}
+        bench.run(workdir, {p.strip() for p in getattr(args, "only", ",".join(PHASES)).split(",")}, cols)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     doc["measurements"] = bench.measurements
-    doc["targets"] = gpu_report.targets(bench.measurements)
+    doc["targets"] = {e: gpu_report.targets(f, bench.measurements.get("classic"))
+                      for e, f in bench.measurements["engines"].items()}
     doc["failures"] = bench.failures
     doc["elapsed_s"] = round(progress.elapsed(), 1)
     text = json.dumps(doc, indent=2) + "\n"

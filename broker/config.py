@@ -58,7 +58,7 @@ class MonitoringSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     path: str
-    engine: Literal["onnxruntime", "torch", "tensorrt"] = "onnxruntime"
+    engine: Literal["onnxruntime", "torch", "inductor", "tensorrt"] = "onnxruntime"
     max_batch: Annotated[int, Meta(ge=1, le=4096)] = 8
     max_queue_delay_us: Annotated[int, Meta(ge=0, le=10_000_000)] = 1000
     preferred_batch_sizes: list[Annotated[int, Meta(ge=1, le=4096)]] = msgspec.field(default_factory=list)
@@ -68,7 +68,8 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # host engines: batches run at once, each on its own runner thread; the GPU pipeline has streams instead
     instances: Annotated[int, Meta(ge=1, le=64)] = 1
     warmup: bool = True
-    # GPU engines (torch, tensorrt) only; a CPU worker ignores them
+    # GPU engines (torch, inductor, tensorrt) only; a CPU worker ignores them; fp16: torch only (a package or
+    # plan carries its own precision)
     streams: Annotated[int, Meta(ge=1, le=16)] = 4  # stream slots: batches in flight on the device at once
     fp16: bool = False
     cuda_graphs: bool = True

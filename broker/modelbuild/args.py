@@ -9,12 +9,19 @@ PRECISIONS = ("fp32", "fp16", "int8")
 CALIB_METHODS = ("entropy", "minmax", "percentile")
 PREPROCESS = ("imagenet", "opennsfw", "pixels")  # the keys of calibration.PREPROCESS
 HARDWARE_COMPAT = ("none", "ampere+")
+ENGINES = ("tensorrt", "inductor")
+DEFAULT_BATCH_SIZES = "1,8,32"
 
 
 def add_build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("model", help="the float32 ONNX model")
-    ap.add_argument("-o", "--out", required=True, help="output folder (created): converted ONNX, build record, plan")
-    ap.add_argument("--precision", choices=PRECISIONS, default="fp16")
+    ap.add_argument("-o", "--out", required=True,
+                    help="output folder (created): converted ONNX, build record, plan or package")
+    ap.add_argument("--engine", choices=ENGINES, default="tensorrt",
+                    help="tensorrt: a TensorRT plan (needs the full builder); inductor: an AOTInductor package "
+                         "(needs PyTorch with CUDA and Triton)")
+    ap.add_argument("--precision", choices=PRECISIONS, default="fp16",
+                    help="fp16 (default), fp32, or int8 (tensorrt only, with --calib-data)")
     ap.add_argument("--calib-data", default="", help="int8: an image folder, a .npy or a .npz file")
     ap.add_argument("--calib-method", choices=CALIB_METHODS, default="entropy")
     ap.add_argument("--preprocess", choices=PREPROCESS, default="opennsfw",
@@ -27,6 +34,18 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--timing-cache", default="", metavar="FILE", help="read before and written after the build")
     ap.add_argument("--version-compatible", action="store_true", help="a plan the lean runtime can run")
     ap.add_argument("--hardware-compat", choices=HARDWARE_COMPAT, default="none")
+    ind = ap.add_argument_group("inductor", "options of --engine inductor")
+    ind.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES, metavar="N,N,...",
+                     help=f"one compiled model per batch bucket; a batch runs in the smallest bucket that holds it, "
+                          f"the largest bucket bounds the model's max_batch (default {DEFAULT_BATCH_SIZES})")
+    ind.add_argument("--dynamic-batch", action="store_true",
+                     help="one model with a dynamic batch up to the largest of --batch-sizes, instead of buckets")
+    ind.add_argument("--autotune", choices=("max", "default"), default="max",
+                     help="max: inductor's max-autotune (minutes per bucket, the fastest kernels); default: "
+                          "its heuristics (quicker builds)")
+    ind.add_argument("--cache-dir", default="", metavar="DIR",
+                     help="inductor's FX, autotuning and Triton caches, reused by later builds "
+                          "(default $XDG_CACHE_HOME/shmbroker/inductor)")
 
 
 def add_check_arguments(ap: argparse.ArgumentParser) -> None:

@@ -1,8 +1,8 @@
 """``shmbroker build`` and ``shmbroker check-precision``: arguments, progress bars and the written record.
 
-Exit statuses of build: 0 plan built; 3 the converted ONNX model was written and checked but the full
-TensorRT builder is missing (the message says how to install it); 2 a bad option or unusable data; 1 a
-conversion or build that failed.
+Exit statuses of build: 0 plan or package built; 3 the engine's builder is missing (the message says what to
+install: for tensorrt, the converted ONNX model was still written and checked; for inductor, PyTorch with CUDA
+and Triton); 2 a bad option or unusable data; 1 a conversion or build that failed.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any
 
 from rich.progress import Progress
 
-from broker.modelbuild import calibration, convert, engine
+from broker.modelbuild import calibration, convert, engine, inductor
 from broker.modelbuild.calibration import DataError
 from broker.modelbuild.checks import check_converted, parse_profiles, row_digests
-from broker.modelbuild.progress import bar, stderr
+from broker.modelbuild.progress import bar, stages, stderr
+from gpu_worker.engines.base import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,66 @@ def _build_engine(args: argparse.Namespace, out: Path, model: str, options: engi
     return EXIT_OK
 
 
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """``--batch-sizes 1,8,32`` as sorted unique sizes; DataError names the option."""
+    try:
+        sizes = tuple(sorted({int(p) for p in text.split(",") if p.strip()}))
+    except ValueError:
+        sizes = ()
+    if not sizes or not all(1 <= s <= 4096 for s in sizes):
+        raise DataError(f"--batch-sizes {text!r}: expected comma-separated batch sizes in 1..4096, e.g. 1,8,32")
+    return sizes
+
+
+def _inductor_options(args: argparse.Namespace) -> inductor.InductorOptions:
+    if args.precision not in inductor.PRECISIONS:
+        raise DataError(f"--precision {args.precision} is for --engine tensorrt; --engine inductor builds "
+                        f"{' or '.join(inductor.PRECISIONS)}")
+    return inductor.InductorOptions(precision=args.precision, batch_sizes=batch_sizes(args.batch_sizes),
+                                    dynamic=args.dynamic_batch, autotune=args.autotune == "max",
+                                    cache_dir=str(Path(args.cache_dir or inductor.default_cache_dir()).resolve()))
+
+
+def _build_inductor(args: argparse.Namespace) -> int:
+    """``shmbroker build --engine inductor``: the AOTInductor package and its sidecar, no ONNX conversion."""
+    options = _inductor_options(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {"source": str(args.model), "onnx_sha256": engine.sha256(args.model),
+                              "precision": args.precision, "engine": "inductor"}
+    record_file = inductor.package_path(out, args.model, args.precision).with_suffix(".build.json")
+    try:
+        with stages(f"inductor {args.precision}", options.stage_count()) as stage:
+            path, sidecar = inductor.build_package(args.model, out, options, stage, record["onnx_sha256"])
+    except engine.BuilderMissing as exc:
+        record["inductor"] = {"status": "missing", "reason": str(exc)}
+        record_file.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        _say(f"shmbroker build: no inductor package: {exc}")
+        return EXIT_NO_BUILDER
+    except EngineError as exc:  # onnx2torch could not read or convert the model
+        raise engine.BuildError(str(exc)) from exc
+    Path(f"{path}.json").write_text(json.dumps(sidecar, indent=2) + "\n", encoding="utf-8")
+    record["inductor"] = {"status": "built", "package": path.name, "sidecar": sidecar}
+    record_file.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    secs = sidecar["build_seconds"]
+    _say(f"shmbroker build: package {path} ({sidecar['precision']}, batch {sidecar['batch']['mode']} "
+         f"{'/'.join(sidecar['batch']['models'])}; torch {sidecar['torch_version']}, {sidecar['gpu_name']}; "
+         f"build {sum(secs.values()):.0f} s: {', '.join(f'{k} {v:g} s' for k, v in secs.items())})")
+    return EXIT_OK
+
+
 def cmd_build(args: argparse.Namespace) -> int:
-    """``shmbroker build``: convert, check, then build the plan when the full builder is installed."""
+    """``shmbroker build``: convert, check, then build the plan (or the inductor package) when its builder is
+    installed."""
+    if args.engine == "inductor":
+        try:
+            return _build_inductor(args)
+        except (DataError, OSError) as exc:
+            _say(f"shmbroker build: {exc}")
+            return EXIT_USAGE
+        except engine.BuildError as exc:
+            _say(f"shmbroker build: {exc}")
+            return EXIT_FAILED
     out = Path(args.out)
     try:
         options = _options(args, args.model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gpu_worker.engines.base import DeviceContext, DeviceEngine, Engine, EngineError, IOSpec, is_device_engine
 
-GPU_ENGINES = ("torch", "tensorrt")
+GPU_ENGINES = ("torch", "inductor", "tensorrt")
 
 
 def parse_device(device: str, kind: str) -> int | None:
@@ -34,9 +34,10 @@ def load_engine(
 ) -> Engine:
     """Build the engine named ``kind`` for a model file (or bytes) on ``device``; EngineError says what failed.
 
-    "onnxruntime" runs on the CPU whatever the device. "torch" and "tensorrt" need a GPU device and return a
-    DeviceEngine; ``fp16`` and ``cuda_graphs`` apply to "torch", ``max_batch`` is checked against a TensorRT
-    plan's first optimization profile at load. A missing package gives an EngineError naming what to install.
+    "onnxruntime" runs on the CPU whatever the device. "torch", "inductor" and "tensorrt" need a GPU device and
+    return a DeviceEngine; ``fp16`` applies to "torch" (an inductor package or a plan carries its precision),
+    ``cuda_graphs`` to "torch" and "inductor", and ``max_batch`` is checked against the package's largest batch
+    or the plan's first optimization profile at load. A missing package gives an EngineError naming what to install.
     """
     if kind == "onnxruntime":
         from gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
@@ -47,11 +48,15 @@ def load_engine(
         from gpu_worker.engines.torch import TorchEngine
 
         return TorchEngine(source, device=ordinal, fp16=fp16, cuda_graphs=cuda_graphs)
+    if kind == "inductor" and ordinal is not None:
+        from gpu_worker.engines.inductor import InductorEngine
+
+        return InductorEngine(source, device=ordinal, max_batch=max_batch, cuda_graphs=cuda_graphs)
     if kind == "tensorrt" and ordinal is not None:
         from gpu_worker.engines.tensorrt import TensorRTEngine
 
         return TensorRTEngine(source, device=ordinal, max_batch=max_batch)
-    raise EngineError(f"unknown engine {kind!r}: expected one of 'onnxruntime', 'torch', 'tensorrt'")
+    raise EngineError(f"unknown engine {kind!r}: expected one of 'onnxruntime', 'torch', 'inductor', 'tensorrt'")
 
 
 __all__ = [

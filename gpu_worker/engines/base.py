@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -60,8 +61,11 @@ class DeviceEngine(Engine, Protocol):
 
     device: int  # the CUDA device ordinal the engine lives on
 
-    def create_context(self, index: int, stream: int, max_batch: int) -> DeviceContext:
-        """The context of stream slot ``index``, bound to the CUDA stream handle ``stream``."""
+    def create_context(self, index: int, stream: int, max_batch: int,
+                       sizes: Sequence[int] | None = None) -> DeviceContext:
+        """The context of stream slot ``index``, bound to the CUDA stream handle ``stream``. ``sizes``: the batch
+        sizes to prepare (warm and capture a CUDA graph for) where the engine prepares each size, instead of
+        every size up to ``max_batch`` (the bench's sweep); other engines ignore it."""
         ...
 
 

@@ -13,6 +13,7 @@ import importlib
 import logging
 import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -238,8 +239,10 @@ class TensorRTEngine:
                     f"the model's max_batch is {max_batch}: rebuild with --max-batch {max_batch}"
                 )
 
-    def create_context(self, index: int, stream: int, max_batch: int) -> TensorRTContext:
-        """Stream slot ``index``: its own execution context on optimization profile ``index``."""
+    def create_context(self, index: int, stream: int, max_batch: int,
+                       sizes: Sequence[int] | None = None) -> TensorRTContext:
+        """Stream slot ``index``: its own execution context on optimization profile ``index`` (it runs any batch
+        size of the profile, so ``sizes`` has nothing to prepare)."""
         self.check_profile(index, max_batch)
         return TensorRTContext(self, index, stream, max_batch)
 

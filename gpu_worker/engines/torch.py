@@ -10,40 +10,24 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from gpu_worker.engines.base import EngineError, IOSpec
+from gpu_worker.engines.graphed import Body, GraphedContext, as_list, torch_dtype, torch_module
 from gpu_worker.engines.meta import read_sidecar, spec_from_dims, specs_from_json
 
 log = logging.getLogger(__name__)
 
 _TORCHSCRIPT = (".pt", ".ts", ".pth", ".torchscript")
 _EXPORTED = (".pt2",)
-_torch_mod: Any = None
-
-
-def _torch() -> Any:
-    global _torch_mod
-    if _torch_mod is None:
-        try:
-            import torch
-        except ImportError as exc:
-            raise EngineError(
-                "engine 'torch' needs PyTorch with CUDA: install torch (the CUDA build, see pytorch.org)"
-            ) from exc
-        _torch_mod = torch
-    return _torch_mod
-
-
-def _torch_dtype(dtype: np.dtype[Any]) -> Any:
-    return _torch().from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
 def _numpy_dtype(torch_dtype: Any, what: str) -> np.dtype[Any]:
     try:
-        dtype: np.dtype[Any] = np.dtype(_torch().empty(0, dtype=torch_dtype).numpy().dtype)
+        dtype: np.dtype[Any] = np.dtype(torch_module().empty(0, dtype=torch_dtype).numpy().dtype)
     except TypeError as exc:  # bfloat16 and the float8 types have no numpy twin
         raise EngineError(f"{what} has dtype {torch_dtype}, which shmbroker does not carry") from exc
     return dtype
@@ -61,7 +45,7 @@ def _constant(gm: Any, arg: Any) -> Any:
     """The tensor an FX argument always holds (an initializer or an ONNX Constant), else None."""
     from onnx2torch.node_converters.constant import OnnxConstant
 
-    torch = _torch()
+    torch = torch_module()
     if not isinstance(arg, torch.fx.Node):
         return None
     if arg.op == "get_attr":
@@ -116,7 +100,9 @@ def _onnx_specs(model: Any) -> tuple[list[IOSpec], list[IOSpec]]:
     return inputs, [spec(v, "output") for v in model.graph.output]
 
 
-def _load_onnx(source: str | bytes, where: str) -> tuple[Any, list[IOSpec], list[IOSpec]]:
+def load_onnx(source: str | bytes, where: str) -> tuple[Any, list[IOSpec], list[IOSpec]]:
+    """An ONNX model as a PyTorch module (onnx2torch, constant Reshapes folded) with its IO; EngineError says
+    what failed. ``where`` names the model in messages."""
     import onnx
 
     try:
@@ -165,7 +151,7 @@ def _exported_module(program: Any, device: Any) -> Any:
 
 
 def _load_file(path: str, device: Any) -> tuple[Any, list[IOSpec], list[IOSpec]]:
-    torch = _torch()
+    torch = torch_module()
     meta = read_sidecar(path)
     where = f"sidecar of {path}"
     if meta is None and not path.endswith(_EXPORTED):
@@ -188,13 +174,6 @@ def _load_file(path: str, device: Any) -> tuple[Any, list[IOSpec], list[IOSpec]]
     return module, inputs, outputs
 
 
-def _as_list(result: Any, count: int, torch: Any) -> list[Any]:
-    outs = [result] if isinstance(result, torch.Tensor) else list(result)
-    if len(outs) != count:
-        raise EngineError(f"the module returned {len(outs)} outputs, the model declares {count}")
-    return outs
-
-
 class TorchEngine:
     """A PyTorch module on CUDA device ``device``; a DeviceEngine (see base.py).
 
@@ -204,7 +183,7 @@ class TorchEngine:
     """
 
     def __init__(self, source: str | bytes, *, device: int, fp16: bool = False, cuda_graphs: bool = True) -> None:
-        torch = _torch()
+        torch = torch_module()
         if not torch.cuda.is_available() or device >= torch.cuda.device_count():
             raise EngineError(f"engine 'torch': PyTorch sees no CUDA device {device} (worker.devices)")
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -213,7 +192,7 @@ class TorchEngine:
         self._dev = torch.device("cuda", device)
         if isinstance(source, bytes) or source.endswith(".onnx"):
             where = "<model bytes>" if isinstance(source, bytes) else source
-            module, self.inputs, self.outputs = _load_onnx(source, where)
+            module, self.inputs, self.outputs = load_onnx(source, where)
         elif source.endswith(_TORCHSCRIPT + _EXPORTED):
             module, self.inputs, self.outputs = _load_file(source, self._dev)
         else:
@@ -231,132 +210,45 @@ class TorchEngine:
         self.cuda_graphs = cuda_graphs
         half = torch.float16
         self._feed_dtypes = [
-            half if fp16 and np.issubdtype(s.dtype, np.floating) else _torch_dtype(s.dtype) for s in self.inputs
+            half if fp16 and np.issubdtype(s.dtype, np.floating) else torch_dtype(s.dtype) for s in self.inputs
         ]
-        self._out_dtypes = [_torch_dtype(s.dtype) for s in self.outputs]
+        self._out_dtypes = [torch_dtype(s.dtype) for s in self.outputs]
         self.graphs_failed: str | None = None  # why capture failed once; later contexts then skip it
         self._create_lock = threading.Lock()
 
     def call_module(self, inputs: list[Any], rows: int) -> list[Any]:
         """Run the module on the first ``rows`` rows of device tensors ``inputs``; the raw outputs (no sync)."""
         args = [t[:rows] if t.dtype == dt else t[:rows].to(dt) for t, dt in zip(inputs, self._feed_dtypes, strict=True)]
-        return _as_list(self._module(*args), len(self.outputs), _torch())
+        return as_list(self._module(*args), len(self.outputs))
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Host arrays in, host arrays out, on the current stream; synchronous (warm-up and tests)."""
-        torch = _torch()
+        torch = torch_module()
         with torch.inference_mode(), torch.cuda.device(self._dev):
             tensors = [torch.as_tensor(np.ascontiguousarray(feeds[s.name]), device=self._dev) for s in self.inputs]
             rows = int(tensors[0].shape[0]) if tensors else 0
             outs = self.call_module(tensors, rows)
             return [o.to(dt).cpu().numpy() for o, dt in zip(outs, self._out_dtypes, strict=True)]
 
-    def create_context(self, index: int, stream: int, max_batch: int) -> TorchContext:
-        """Stream slot ``index``'s buffers, warm allocator and graphs; contexts are made one at a time."""
+    def bind(self, index: int) -> Body:
+        """Every stream slot runs the one module (a GraphedEngine)."""
+        return self.call_module
+
+    def prepared_sizes(self, max_batch: int, wanted: Sequence[int] | None) -> list[int]:
+        """Every row count up to ``max_batch`` (or just ``wanted``) gets its own graph."""
+        return sorted(set(wanted)) if wanted else list(range(1, max_batch + 1))
+
+    def size_for(self, rows: int) -> int:
+        return rows
+
+    def create_context(self, index: int, stream: int, max_batch: int,
+                       sizes: Sequence[int] | None = None) -> GraphedContext:
+        """Stream slot ``index``'s buffers, warm allocator and graphs (for ``sizes`` only, when given: the bench's
+        sweep); contexts are made one at a time."""
         with self._create_lock:
-            return TorchContext(self, index, stream, max_batch)
+            return GraphedContext(self, index, stream, max_batch, sizes)
 
     def close(self) -> None:
-        torch = _torch()
+        torch = torch_module()
         del self._module
         torch.cuda.empty_cache()
-
-
-class TorchContext:
-    """One stream slot of a TorchEngine (a DeviceContext): fixed device buffers, graphs keyed by row count.
-
-    The CUDA stream belongs to the caller, who keeps it alive longer than the context. ``enqueue`` of one
-    context is not reentrant (one slot, one thread at a time); different contexts may enqueue concurrently.
-    """
-
-    def __init__(self, engine: TorchEngine, index: int, stream: int, max_batch: int) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        torch = _torch()
-        self._torch = torch
-        self._engine = engine
-        self.index = index
-        self.max_batch = max_batch
-        self._stream = torch.cuda.ExternalStream(stream, device=engine._dev)
-        with torch.cuda.stream(self._stream):
-            self._inputs = [
-                torch.zeros((max_batch, *s.item_shape), dtype=_torch_dtype(s.dtype), device=engine._dev)
-                for s in engine.inputs
-            ]
-            self._outputs = [
-                torch.zeros((max_batch, *s.item_shape), dtype=dt, device=engine._dev)
-                for s, dt in zip(engine.outputs, engine._out_dtypes, strict=True)
-            ]
-        self.input_ptrs = [int(t.data_ptr()) for t in self._inputs]
-        self.output_ptrs = [int(t.data_ptr()) for t in self._outputs]
-        self._graphs: dict[int, Any] = {}
-        self._warm_up()
-        if engine.cuda_graphs and engine.graphs_failed is None:
-            self._capture()
-        self._stream.synchronize()
-
-    @property
-    def graph_sizes(self) -> list[int]:
-        """The row counts that replay a CUDA graph (empty when running eagerly)."""
-        return sorted(self._graphs)
-
-    def _body(self, rows: int, check: bool = False) -> None:
-        outs = self._engine.call_module(self._inputs, rows)
-        for dst, src, spec in zip(self._outputs, outs, self._engine.outputs, strict=True):
-            if check and tuple(src.shape) != (rows, *spec.item_shape):
-                raise EngineError(
-                    f"output {spec.name!r} came back {list(src.shape)} for {rows} rows, "
-                    f"declared {[rows, *spec.item_shape]}"
-                )
-            dst[:rows].copy_(src)  # casts back to the declared dtype in fp16 mode
-
-    def _warm_up(self) -> None:
-        # every batch size once, on this stream: the caching allocator then holds what each size needs,
-        # so the request path allocates nothing new, and cuDNN/cuBLAS state exists before any capture
-        torch = self._torch
-        with torch.inference_mode(), torch.cuda.stream(self._stream):
-            for rows in range(1, self.max_batch + 1):
-                self._body(rows, check=True)
-
-    def _capture(self) -> None:
-        torch = self._torch
-        engine = self._engine
-        pool = torch.cuda.graph_pool_handle()  # one pool per context: its graphs only ever run in turn
-        graphs: dict[int, Any] = {}
-        try:
-            for rows in range(1, self.max_batch + 1):
-                graph = torch.cuda.CUDAGraph()
-                with (
-                    torch.inference_mode(),
-                    torch.cuda.graph(graph, pool=pool, stream=self._stream, capture_error_mode="thread_local"),
-                ):
-                    self._body(rows)
-                graphs[rows] = graph
-        except RuntimeError as exc:  # how torch reports a capture fault (a host sync, an uncapturable op)
-            engine.graphs_failed = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            log.warning("cuda:%d: CUDA graph capture failed, running eagerly: %s", engine.device, engine.graphs_failed)
-            torch.cuda.synchronize(engine._dev)
-            self._warm_up()  # capture emptied the allocator's cache; refill it for the eager path
-            return
-        self._graphs = graphs
-
-    def enqueue(self, rows: int) -> None:
-        """Run rows [0, rows) of the input buffers into the output buffers, on this context's stream.
-
-        Asynchronous: no host sync, and no device allocation beyond what warm-up left in the allocator.
-        """
-        if not 1 <= rows <= self.max_batch:
-            raise ValueError(f"rows must be in [1, {self.max_batch}], got {rows}")
-        torch = self._torch
-        graph = self._graphs.get(rows)
-        with torch.cuda.stream(self._stream):
-            if graph is not None:
-                graph.replay()
-            else:
-                with torch.inference_mode():
-                    self._body(rows)
-
-    def close(self) -> None:
-        self._graphs.clear()
-        self._inputs.clear()
-        self._outputs.clear()

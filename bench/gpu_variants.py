@@ -1,0 +1,59 @@
+"""The GPU bench's engine columns: the bench config with the measured model on another engine, as a TOML file
+that the bench's broker reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from broker import config
+
+
+def engine_config(cfg: config.Config, model: str, engine: str, package: str = "", max_batch: int = 0) -> config.Config:
+    """``cfg`` with ``model`` on ``engine``: "torch" runs the config's ONNX file, "inductor" the package at
+    ``package``; ``max_batch`` (when not 0) replaces the model's. ConfigError names what is missing."""
+    data = config.to_dict(cfg)
+    source = str(data.pop("source", ""))
+    section: dict[str, Any] = dict(data["models"][model])  # type: ignore[index]
+    section["path"] = cfg.model_path(model)
+    if engine == "inductor":
+        if not package:
+            raise config.ConfigError(f"the inductor column needs a package: --inductor PATH (shmbroker build "
+                                     f"--engine inductor), or a config whose models.{model}.engine is 'inductor'")
+        section["path"] = str(Path(package).resolve())
+    elif engine == "torch" and section["engine"] == "inductor":
+        raise config.ConfigError(f"the torch column needs models.{model} as an ONNX file: give a config on engine "
+                                 "'torch' (bench/gpu.toml) and the package with --inductor")
+    section["engine"] = engine
+    if max_batch:
+        section["max_batch"] = max_batch
+    data["models"] = {model: section}
+    return config.parse(data, source or "<bench>")
+
+
+def _value(v: Any) -> str:
+    return json.dumps(v)  # TOML's strings, integers, floats, booleans and arrays of them read as JSON writes them
+
+
+def to_toml(cfg: config.Config) -> str:
+    """``cfg`` as a TOML document that ``config.load`` reads back equal (every model path absolute)."""
+    data = config.to_dict(cfg)
+    data.pop("source", None)
+    lines: list[str] = []
+    for name, section in data.items():
+        if name == "models":
+            continue
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {_value(v)}" for k, v in section.items()]  # type: ignore[attr-defined]
+    for model in data["models"]:  # type: ignore[attr-defined]
+        section = dict(data["models"][model])  # type: ignore[index]
+        section["path"] = cfg.model_path(model)
+        lines.append(f"[models.{model}]")
+        lines += [f"{k} = {_value(v)}" for k, v in section.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write(cfg: config.Config, path: Path) -> Path:
+    path.write_text(to_toml(cfg), encoding="utf-8")
+    return path
