@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from gpu_worker import cuda
-from gpu_worker.engines import EngineError, load_engine, parse_device
+from gpu_worker.engines import EngineError, graphed, load_engine, parse_device
 from gpu_worker.engines import tensorrt as trt_engine
-from gpu_worker.engines import torch as torch_engine
 from gpu_worker.engines.meta import read_sidecar, spec_from_dims, specs_from_json
 from gpu_worker.engines.tensorrt import check_plan_meta
 from gpu_worker.model_source import tiny_model_bytes
@@ -25,7 +24,7 @@ def check(meta: dict[str, Any]) -> None:
     check_plan_meta(meta, where="a.plan", trt_version="11.4.0.106", gpu_name="NVIDIA H200", capability=(9, 0))
 
 
-@pytest.mark.parametrize("kind", ["torch", "tensorrt"])
+@pytest.mark.parametrize("kind", ["torch", "inductor", "tensorrt"])
 def test_gpu_engine_on_cpu_names_the_config_key(kind: str) -> None:
     with pytest.raises(EngineError, match=r"worker\.devices"):
         load_engine(kind, "model.onnx", device="cpu")
@@ -45,11 +44,12 @@ def test_onnxruntime_unchanged_on_a_gpu_worker() -> None:
     assert engine.run({"x": np.zeros((2, 256), dtype=np.float32)})[0].shape == (2, 256)
 
 
-def test_missing_torch_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("kind", "path"), [("torch", "model.onnx"), ("inductor", "model.pt2")])
+def test_missing_torch_says_what_to_install(monkeypatch: pytest.MonkeyPatch, kind: str, path: str) -> None:
     monkeypatch.setitem(sys.modules, "torch", None)  # an import of it now fails
-    monkeypatch.setattr(torch_engine, "_torch_mod", None)
+    monkeypatch.setattr(graphed, "_torch_mod", None)
     with pytest.raises(EngineError, match="install torch"):
-        load_engine("torch", "model.onnx", device="0")
+        load_engine(kind, path, device="0")
 
 
 def test_missing_tensorrt_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 from broker.modelbuild import calibration, convert, precision
 from broker.modelbuild.calibration import Data, DataError
 from broker.modelbuild.progress import bar
+from gpu_worker.engines.base import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def _evaluate(args: argparse.Namespace, data: Data) -> dict[str, Any]:
     result: dict[str, Any] = {"rows": calibration.rows(data), "models": {}}
     ref_out: np.ndarray | None = None
     for path in models:
-        sess = precision.session(path, args.threads)
+        sess = precision.open_model(path, args.threads)
         with bar(f"evaluating {Path(path).name}", calibration.rows(data)) as advance:
             out = precision.outputs(sess, data, args.batch, advance)
         entry: dict[str, Any] = {"rows_per_s": precision.throughput(sess, data, args.batch, args.seconds)}
@@ -138,7 +139,7 @@ def cmd_check_precision(args: argparse.Namespace) -> int:
                 raise DataError(f"--eval-data: {overlap} of its rows calibrated {candidate} (its build record): "
                                 "evaluate on data disjoint from the calibration set")
         result = _evaluate(args, data)
-    except (DataError, OSError) as exc:
+    except (DataError, OSError, EngineError) as exc:
         sys.stderr.write(f"shmbroker check-precision: {exc}\n")
         return 2
     if args.json:
@@ -149,5 +150,6 @@ def cmd_check_precision(args: argparse.Namespace) -> int:
              for n, e in result["models"].items() if "rows" in e}
     rates = {n: e["rows_per_s"] for n, e in result["models"].items()}
     lines = precision.report_lines(names, comps, rates)
-    sys.stdout.write("\n".join([f"{result['rows']} evaluation rows, ONNX Runtime CPU", *lines]) + "\n")
+    engines = "ONNX Runtime CPU" + (", .pt2 on CUDA device 0" if any(n.endswith(".pt2") for n in names) else "")
+    sys.stdout.write("\n".join([f"{result['rows']} evaluation rows, {engines}", *lines]) + "\n")
     return 0

@@ -1,5 +1,6 @@
 """``check-precision``: a converted model against its float32 original on evaluation data, with ONNX Runtime on
-the CPU: argmax agreement, max and mean absolute difference of the outputs, and each model's throughput."""
+the CPU (an inductor package, ``.pt2``, on CUDA device 0): argmax agreement, max and mean absolute difference of
+the outputs, and each model's throughput."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import TypeAlias
 
 import numpy as np
 import onnxruntime as ort
 
 from broker.modelbuild.calibration import Data, batches, rows
+from gpu_worker.engines import Engine, load_engine
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +31,32 @@ class Comparison:
     mean_abs_diff: float
 
 
+class EngineSession:
+    """A GPU engine behind the part of InferenceSession that check-precision uses (``get_outputs``, ``run``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._names = [s.name for s in engine.outputs]
+
+    def get_outputs(self) -> list[SimpleNamespace]:
+        return [SimpleNamespace(name=n) for n in self._names]
+
+    def run(self, names: list[str] | None, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        outs = self._engine.run(feeds)
+        return outs if names is None else [outs[self._names.index(n)] for n in names]
+
+
+Session: TypeAlias = ort.InferenceSession | EngineSession
+
+
+def open_model(path: str, threads: int = 0) -> Session:
+    """``session(path, threads)``, or for an inductor package (``.pt2``) the inductor engine on CUDA device 0
+    (EngineError without one)."""
+    if path.endswith(".pt2"):
+        return EngineSession(load_engine("inductor", path, device="0"))
+    return session(path, threads)
+
+
 def session(path: str, threads: int = 0) -> ort.InferenceSession:
     """A CPU InferenceSession of the model at ``path`` with ``threads`` intra-op threads (0: ONNX Runtime's)."""
     opts = ort.SessionOptions()
@@ -35,7 +65,7 @@ def session(path: str, threads: int = 0) -> ort.InferenceSession:
     return ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
 
 
-def outputs(sess: ort.InferenceSession, data: Data, batch: int, advance: Callable[[int], None] | None = None
+def outputs(sess: Session, data: Data, batch: int, advance: Callable[[int], None] | None = None
             ) -> np.ndarray:
     """The first output of ``sess`` over all rows of ``data``, as float32, batch by batch."""
     name = sess.get_outputs()[0].name
@@ -57,7 +87,7 @@ def compare(reference: np.ndarray, candidate: np.ndarray) -> Comparison:
     return Comparison(len(reference), agree, float(diff.max()), float(diff.mean()))
 
 
-def throughput(sess: ort.InferenceSession, data: Data, batch: int, min_seconds: float = 2.0) -> float:
+def throughput(sess: Session, data: Data, batch: int, min_seconds: float = 2.0) -> float:
     """Rows per second of ``sess`` on batches of ``data``, after one warm-up batch, over at least ``min_seconds``."""
     parts = list(batches(data, batch))
     sess.run(None, parts[0])

@@ -139,17 +139,18 @@ class InductorEngine:
         self._run_lock = threading.Lock()
 
     def _load(self) -> dict[int, Any]:
-        """A fresh copy of every model of the package, on this engine's device, without locks."""
-        from torch.export.pt2_archive._package import load_pt2
-
-        try:
-            runners = load_pt2(self.source, run_single_threaded=True, device_index=self.device).aoti_runners
-        except (RuntimeError, OSError, ValueError, KeyError) as exc:
-            raise EngineError(f"PyTorch cannot load the package {self.source}: {exc}") from exc
-        missing = sorted(name for name in self._models.values() if name not in runners)
-        if missing:
-            raise EngineError(f"package {self.source} lacks the models {missing} its sidecar lists: {REBUILD}")
-        return {size: runners[name] for size, name in self._models.items()}
+        """A fresh copy of every model of the package on this engine's device, without locks: PyTorch's package
+        loader itself, not ``load_pt2``, whose device-information check compiles and loads a test library per
+        CPU vector ISA (tens of seconds) to compare fields that the sidecar check already covers."""
+        loader = torch_module()._C._aoti.AOTIModelPackageLoader
+        loaded = {}
+        for size, name in self._models.items():
+            try:
+                loaded[size] = loader(self.source, name, True, 1, self.device)  # run_single_threaded, 1 runner
+            except (RuntimeError, OSError, ValueError) as exc:
+                raise EngineError(f"PyTorch cannot load model {name!r} of the package {self.source}: {exc}: "
+                                  f"{REBUILD}") from exc
+        return loaded
 
     def size_for(self, rows: int) -> int:
         """The dynamic model runs any count; buckets run the smallest bucket holding ``rows``."""
@@ -169,7 +170,7 @@ class InductorEngine:
 
         def body(inputs: list[Any], size: int) -> list[Any]:
             model = only if dynamic else models[size]
-            return as_list(model(*[t[:size] for t in inputs]), count)
+            return as_list(model.boxed_run([t[:size] for t in inputs]), count)  # flat tensors in, flat out
 
         return body
 
