@@ -61,9 +61,9 @@ def _requests(seed: int) -> list[np.ndarray]:
     return out
 
 
-def _client(seed: int, runtime_dir: str, q: Any, tols: dict[str, float] | None = None) -> None:
-    """One client process: each nsfw model of ``tols`` (default: both of this module's broker) with its
-    tolerance against fp32 ONNX Runtime, 8 requests in flight, every result checked here, in the child."""
+def _client(seed: int, runtime_dir: str, tols: dict[str, float], q: Any) -> None:
+    """One client process: each nsfw model of ``tols`` with its tolerance against fp32 ONNX Runtime, 8 requests
+    in flight, every result checked here, in the child."""
     import onnxruntime as ort
 
     from client import Client
@@ -79,7 +79,7 @@ def _client(seed: int, runtime_dir: str, q: Any, tols: dict[str, float] | None =
     errors: dict[str, float] = {}
     wrong: list[str] = []
     with Client(runtime_dir, slots=8, max_items=MAX_ROWS) as c:
-        for model, tol in (tols or TOL).items():
+        for model, tol in tols.items():
             worst = 0.0
 
             def check(k: int, fut: Future[Outputs], model: str = model, tol: float = tol) -> float:
@@ -109,7 +109,8 @@ def _distinct_pairs(scores: np.ndarray, tol: float) -> float:
 
 
 def test_eight_clients_get_their_own_results_in_fp32_and_fp16(gpu_broker: RunningBroker) -> None:
-    results = run_client_processes(_client, [(seed, str(gpu_broker.runtime_dir)) for seed in range(CLIENTS)], 240)
+    results = run_client_processes(_client, [(seed, str(gpu_broker.runtime_dir), TOL) for seed in range(CLIENTS)],
+                                   240)
     assert sorted(r[0] for r in results) == list(range(CLIENTS))
     for seed, errors, wrong, distinct, n_real in results:
         print(f"client {seed}: max abs fp32 {errors['nsfw32']:.2e}, fp16 {errors['nsfw16']:.2e}; "
