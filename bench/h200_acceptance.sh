@@ -1,39 +1,43 @@
 #!/usr/bin/env bash
-# Issue 3's acceptance on the GPU machine, in one call: the GPU tests, then the GPU bench at the given
+# The GPU acceptance on the GPU machine, in one call: the GPU tests, then the GPU bench at the given
 # in-flight counts (16 client processes each). Prints a short table at the end; logs and JSON go to $OUT.
 #   bash bench/h200_acceptance.sh 8 7        (after installing the carried wheels, see ../shared/device)
+#   INDUCTOR=out/open-nsfw.fp16.inductor.pt2 bash bench/h200_acceptance.sh 8    (eager and inductor columns)
 set -uo pipefail
 out=${OUT:-/tmp/h200}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+engines=()
+[ -n "${INDUCTOR:-}" ] && engines=(--engines torch,inductor --inductor "$INDUCTOR")
 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu tests/test_engines_gpu_errors.py 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 for n in "$@"; do
   python3 -m bench.gpu --json --out "$out/bench_if$n.json" --in-flight "$n" --log-dir "$out/logs_if$n" \
-    > "$out/bench_if$n.txt" 2>&1
+    "${engines[@]}" > "$out/bench_if$n.txt" 2>&1
   echo "bench in-flight $n: exit $?"
 done
 echo
 echo "== summary =="
 tail -n 1 "$out/gpu_tests.log"
 echo "gpu tests exit code: $tests_rc"
-python3 - "$out" "$@" <<'EOF'
+python3 - "$out" "$@" <<'PY'
 import json, sys
 out, counts = sys.argv[1], sys.argv[2:]
-print(f"{'in flight':>9} {'(a) img/s':>10} {'(c) img/s':>10} {'c/a':>6} {'c/b':>7} {'GPU %':>6} {'p99 ms':>7} {'bound':>7}")
+print(f"{'in flight':>9} {'engine':>9} {'(a) img/s':>10} {'(c) img/s':>10} {'c/a':>6} {'GPU %':>6} {'p99 ms':>7} {'bound':>7}")
 for n in counts:
     try:
         doc = json.load(open(f"{out}/bench_if{n}.json"))
     except (OSError, ValueError) as exc:
         print(f"{n:>9} no result: {exc}")
         continue
-    m, t = doc.get("measurements", {}), doc.get("targets", {})
-    def val(name, key="value"):
-        v = t.get(name, {})
-        return v.get(key) if isinstance(v, dict) else None
-    a = m.get("limit", {}).get("items_per_s") if isinstance(m.get("limit"), dict) else None
-    c = m.get("broker", {}).get("per_s") if isinstance(m.get("broker"), dict) else None
-    print(f"{n:>9} {a!s:>10.10} {c!s:>10.10} {val('c_over_a')!s:>6.6} {val('c_over_b')!s:>7.7} "
-          f"{val('gpu_busy_pct_c')!s:>6.6} {val('p99_ms_c')!s:>7.7} {val('p99_ms_c', 'target')!s:>7.7}")
+    for engine, m in doc.get("measurements", {}).get("engines", {}).items():
+        t = doc.get("targets", {}).get(engine, {})
+        def val(name, key="value"):
+            v = t.get(name, {})
+            return v.get(key) if isinstance(v, dict) else None
+        a = m.get("limit", {}).get("items_per_s")
+        c = m.get("broker", {}).get("per_s")
+        print(f"{n:>9} {engine:>9} {a!s:>10.10} {c!s:>10.10} {val('c_over_a')!s:>6.6} "
+              f"{val('gpu_busy_pct_c')!s:>6.6} {val('p99_ms_c')!s:>7.7} {val('p99_ms_c', 'target')!s:>7.7}")
     print(f"{'':>9} failures: {doc.get('failures')}")
-EOF
+PY
