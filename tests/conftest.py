@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import struct
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ import psutil
 import pytest
 
 from broker import protocol as P
+from broker import ring
 from broker.cli import ask_broker
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,6 +118,21 @@ class RunningBroker:
 
     def worker_pids(self) -> list[int]:
         return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+
+    def submitted_slots(self) -> int:
+        """Slots of this broker's rings whose header says SUBMITTED: requests posted and not yet answered."""
+        count = 0
+        for name in self.segments():
+            try:
+                with open(f"/dev/shm/{name}", "rb") as fh:
+                    head = fh.read(ring.SEGMENT_HEADER.size)
+                    n_slots, stride = ring.SEGMENT_HEADER.unpack(head)[4:6]
+                    for i in range(n_slots):
+                        fh.seek(ring.HEADER_BYTES + i * stride)
+                        count += ring.STATE_WORD.unpack(fh.read(4))[0] == ring.SlotState.SUBMITTED
+            except (FileNotFoundError, struct.error):  # a session closing meanwhile
+                continue
+        return count
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]

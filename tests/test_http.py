@@ -13,10 +13,12 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import gevent
 import numpy as np
 import psutil
 import pytest
@@ -191,10 +193,27 @@ def test_bad_bodies_are_400_with_the_field_named(front: Front) -> None:
 
 
 def test_overload_is_503_and_the_rest_succeed(front: Front) -> None:
-    """24 nsfw requests at once against a queue of 3 (max_queue_size in the test config): some are refused."""
+    """24 nsfw requests at once against a queue of 3 (max_queue_size in the test config): some are refused.
+
+    The worker is stopped until all 24 are posted in the front-end's rings, so they reach it together however
+    slowly the front-end takes them in; it then admits a queue's worth and answers the rest OVERLOADED.
+    """
     c = front.client(concurrency=24)
     x = np.random.default_rng(3).random((1, 224, 224, 3), dtype=np.float32)
-    handles = [c.async_infer("nsfw", [_input("input:0", x, True)]) for _ in range(24)]
+    workers = front.broker.worker_pids()
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        handles = [c.async_infer("nsfw", [_input("input:0", x, True)]) for _ in range(24)]
+        deadline = time.monotonic() + 30
+        posted = 0
+        while posted < 24 and time.monotonic() < deadline:
+            gevent.sleep(0.005)  # the HTTP requests go out on gevent's loop: yield to it while polling the rings
+            posted = front.broker.submitted_slots()
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+    assert posted == 24, f"{posted} of 24 requests were posted in the front-end's rings within 30 s"
     statuses: list[int] = []
     for h in handles:
         try:
