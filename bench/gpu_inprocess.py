@@ -91,7 +91,8 @@ def limit(cfg: Config, model: str, device: int, duration_s: float, progress: Pro
         stream.close()
         engine.close()
     return {
-        "model": model, "engine": mc.engine, "fp16": mc.fp16, "cuda_graphs": mc.cuda_graphs,
+        "model": model, "engine": mc.engine, "fp16": mc.fp16 or getattr(engine, "precision", "") == "fp16",
+        "cuda_graphs": mc.cuda_graphs,
         "graph_sizes": graph_sizes, "load_s": round(load_s, 2), "context_s": round(context_s, 2),
         "by_batch": by_batch, "best_batch": int(best), "items_per_s": by_batch[best]["items_per_s"],
         "max_batch": mc.max_batch, "max_batch_ms": max_ms, "concurrent_streams": concurrent,

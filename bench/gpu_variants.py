@@ -22,6 +22,7 @@ def engine_config(cfg: config.Config, model: str, engine: str, package: str = ""
             raise config.ConfigError(f"the inductor column needs a package: --inductor PATH (shmbroker build "
                                      f"--engine inductor), or a config whose models.{model}.engine is 'inductor'")
         section["path"] = str(Path(package).resolve())
+        section["fp16"] = False  # the package carries its precision (config refuses fp16 with it)
     elif engine == "torch" and section["engine"] == "inductor":
         raise config.ConfigError(f"the torch column needs models.{model} as an ONNX file: give a config on engine "
                                  "'torch' (bench/gpu.toml) and the package with --inductor")

@@ -133,6 +133,9 @@ def _check(cfg: Config, source: str) -> None:
     for name, m in cfg.models.items():
         if not _NAME.match(name):
             raise ConfigError(f"{source}: key 'models.{name}': a model name is 1-64 of [A-Za-z0-9_.-]")
+        if m.engine == "inductor" and m.fp16:
+            raise ConfigError(f"{source}: key 'models.{name}.fp16': an inductor package carries its own precision; "
+                              "drop the key and build the package with shmbroker build --precision fp16")
         too_big = [b for b in m.preferred_batch_sizes if b > m.max_batch]
         if too_big:
             raise ConfigError(

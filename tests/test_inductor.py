@@ -86,9 +86,11 @@ def test_a_malformed_sidecar_is_refused(change: dict[str, Any]) -> None:
         _batch_plan(m, "m.pt2")
 
 
-def test_the_config_takes_engine_inductor() -> None:
+def test_the_config_takes_engine_inductor_and_refuses_fp16_with_it() -> None:
     cfg = config.parse({"worker": {"devices": [0]}, "models": {"m": {"path": "m.pt2", "engine": "inductor"}}})
     assert cfg.models["m"].engine == "inductor"
+    with pytest.raises(config.ConfigError, match=r"key 'models\.m\.fp16'.*shmbroker build --precision fp16"):
+        config.parse({"models": {"m": {"path": "m.pt2", "engine": "inductor", "fp16": True}}})
 
 
 def _build(tmp: Path, *extra: str, block: str = "") -> subprocess.CompletedProcess[str]:

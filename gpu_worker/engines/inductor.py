@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from gpu_worker.engines.base import EngineError
-from gpu_worker.engines.graphed import Body, GraphedContext, as_list, torch_module
+from gpu_worker.engines.graphed import Body, GraphedContext, as_list, torch_dtype, torch_module
 from gpu_worker.engines.meta import read_sidecar, specs_from_json
 
 log = logging.getLogger(__name__)
@@ -198,10 +198,9 @@ class InductorEngine:
                 n = min(self.largest, rows - lo)
                 size = self.size_for(n)
                 tensors = []
-                for s in self.inputs:
-                    t = torch.zeros((size, *s.item_shape), dtype=torch.from_numpy(feeds[s.name][:0]).dtype,
-                                    device=f"cuda:{self.device}")
-                    t[:n].copy_(torch.from_numpy(np.ascontiguousarray(feeds[s.name][lo : lo + n])))
+                for s in self.inputs:  # a bucket's worth of rows, the ones past n zero
+                    t = torch.zeros((size, *s.item_shape), dtype=torch_dtype(s.dtype), device=f"cuda:{self.device}")
+                    t[:n].copy_(torch.from_numpy(np.ascontiguousarray(feeds[s.name][lo : lo + n], dtype=s.dtype)))
                     tensors.append(t)
                 outs = body(tensors, size)
                 parts.append([o[:n].cpu().numpy().astype(s.dtype, copy=False)
