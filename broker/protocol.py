@@ -419,9 +419,49 @@ def decode_as(frames: list[bytes], expected: type[T]) -> T:
 SUBMIT_HEADER = struct.Struct("<IIIIQ")  # session_id, n_requests, n_tensors, flags, token
 REQUEST = struct.Struct("<QIIIIII")  # request_id, slot, generation, model_id, first_tensor, n_tensors, timeout_us
 TENSOR = struct.Struct("<HBBIQQ8q")  # index, dtype, ndim, reserved, offset, nbytes, dims[8]
+TENSOR_ROWS_AT = struct.calcsize("<HBBIQQ")  # dims[0], the row count, within a tensor descriptor
+TENSOR_ROWS = struct.Struct("<q")
 DONE_HEADER = struct.Struct("<IIII")  # session_id, n_results, n_tensors, text_bytes
 RESULT = struct.Struct("<QIIIIIIII")  # request_id, slot, generation, status, first_tensor, n_tensors,
 # msg_offset, msg_len, reserved
+
+
+# The slot header, at the start of every ring slot (PROTOCOL 4): the state word first, written last.
+class SlotState:
+    FREE = 0
+    SUBMITTED = 1
+    DONE = 2
+    FAILED = 3
+
+
+SLOT_HEADER_BYTES = 256
+SLOT_HEADER = struct.Struct("<IIQI")  # state, generation, request_id, status
+STATE_WORD = struct.Struct("<I")
+STATE_GEN = struct.Struct("<II")  # a slot header's state and generation words, read together on hot paths
+STATUS_AT = struct.calcsize(SLOT_HEADER.format[:-1])  # the status word within a slot header
+SLOT_TAIL = struct.Struct("<" + SLOT_HEADER.format.lstrip("<")[1:])  # the header after its state word
+# The submit hint (PROTOCOL 4.2): hint bytes and worker id at +20, then a copy of the request's SUBMIT
+# record and tensor descriptors, which a spinning worker may take instead of waiting for the message.
+HINT = struct.Struct("<HH")
+HINT_AT = SLOT_HEADER.size
+HINT_RECORD_AT = HINT_AT + HINT.size
+HINT_CAPACITY = SLOT_HEADER_BYTES - HINT_RECORD_AT
+# A posted request's slot header after its state word, in one pack: generation, request_id, status,
+# hint_bytes, hint_worker, then the hint's SUBMIT record (REQUEST's fields); NO_HINT when it does not fit.
+NO_HINT = struct.Struct("<" + SLOT_TAIL.format.lstrip("<") + HINT.format.lstrip("<"))
+POST = struct.Struct(NO_HINT.format + REQUEST.format.lstrip("<"))
+
+
+def submit_body(session_id: int, token: int, records: list[bytes], descs: list[bytes], n_tensors: int) -> bytes:
+    """A SUBMIT body from packed REQUEST records and their tensor descriptors (the clients' fast encoder;
+    ``encode_submit`` writes the same bytes from SubmitRequests)."""
+    return b"".join([SUBMIT_HEADER.pack(session_id, len(records), n_tensors, 0, token), *records, *descs])
+
+
+def done_body(session_id: int, records: list[bytes], descs: list[bytes], n_tensors: int) -> bytes:
+    """A DONE body from packed RESULT records without messages and their tensor descriptors (the worker's fast
+    encoder; ``encode_done`` writes the same bytes from Results)."""
+    return b"".join([DONE_HEADER.pack(session_id, len(records), n_tensors, 0), *records, *descs])
 
 
 @dataclass(slots=True)

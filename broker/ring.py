@@ -24,14 +24,26 @@ from typing import Any
 
 import numpy as np
 
-from broker.protocol import REQUEST
+from broker.protocol import (
+    HINT_AT,
+    HINT_CAPACITY,
+    HINT_RECORD_AT,
+    NO_HINT,
+    POST,
+    REQUEST,
+    SLOT_HEADER,
+    SLOT_HEADER_BYTES,
+    SLOT_TAIL,
+    STATE_WORD,
+    STATUS_AT,
+    SlotState,
+)
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"SHMBRNG1"
 LAYOUT_VERSION = 1
 HEADER_BYTES = 4096
-SLOT_HEADER_BYTES = 256
 REGION_ALIGN = 256
 SLOT_ALIGN = 4096
 SHM_DIR = "/dev/shm"
@@ -39,29 +51,6 @@ NAME_PREFIX = "shmb-"
 
 # magic, version, header_bytes, session_id, n_slots, slot_stride, slot_header, in_cap, out_cap, total, pid
 SEGMENT_HEADER = struct.Struct("<8sIIIIQQQQQI")
-# state, generation, request_id, status
-SLOT_HEADER = struct.Struct("<IIQI")
-STATE_WORD = struct.Struct("<I")
-STATE_GEN = struct.Struct("<II")  # a slot header's state and generation words, read together on hot paths
-# The submit hint (PROTOCOL 4.2): hint bytes and worker id at +20, then a copy of the request's SUBMIT
-# record and tensor descriptors, which a spinning worker may take instead of waiting for the message.
-HINT = struct.Struct("<HH")
-HINT_AT = 20
-HINT_RECORD_AT = 24
-HINT_CAPACITY = SLOT_HEADER_BYTES - HINT_RECORD_AT
-# A posted request's slot header after its state word, in one pack: generation, request_id, status,
-# hint_bytes, hint_worker, then the hint's SUBMIT record (REQUEST's fields); NO_HINT when it does not fit.
-POST = struct.Struct("<IQIHH" + REQUEST.format.lstrip("<"))
-NO_HINT = struct.Struct("<IQIHH")
-
-
-class SlotState:
-    FREE = 0
-    SUBMITTED = 1
-    DONE = 2
-    FAILED = 3
-
-
 class RingError(ValueError):
     """A segment or a descriptor that does not fit the ring; the text names the field."""
 
@@ -232,7 +221,7 @@ class Segment:
     def publish_slot(self, slot: int, state: int, generation: int, request_id: int, status: int) -> None:
         """Write the slot header with the state word last (after the payload is in place)."""
         base = self.layout.slot_base(slot)
-        struct.pack_into("<IQI", self.buf, base + 4, generation, request_id, status)
+        SLOT_TAIL.pack_into(self.buf, base + STATE_WORD.size, generation, request_id, status)
         self._words[base >> 2] = state
 
     def post_request(self, slot: int, worker_id: int, request_id: int, generation: int, model_id: int,
@@ -244,9 +233,9 @@ class Segment:
         base = self.layout.slot_bases[slot]
         n = REQUEST.size + len(descs)
         if n > HINT_CAPACITY:
-            NO_HINT.pack_into(self.buf, base + 4, generation, request_id, 0, 0, 0)
+            NO_HINT.pack_into(self.buf, base + STATE_WORD.size, generation, request_id, 0, 0, 0)
         else:
-            POST.pack_into(self.buf, base + 4, generation, request_id, 0, n, worker_id,
+            POST.pack_into(self.buf, base + STATE_WORD.size, generation, request_id, 0, n, worker_id,
                            request_id, slot, generation, model_id, 0, n_tensors, timeout_us)
             at = base + HINT_RECORD_AT + REQUEST.size
             self.buf[at : at + len(descs)] = descs
@@ -263,7 +252,7 @@ class Segment:
 
     def set_state(self, slot: int, state: int, status: int) -> None:
         base = self.layout.slot_bases[slot]
-        self._words[(base + 16) >> 2] = status
+        self._words[(base + STATUS_AT) >> 2] = status
         self._words[base >> 2] = state
 
     def set_states(self, slots: list[int], state: int, statuses: int | list[int]) -> None:
@@ -272,12 +261,12 @@ class Segment:
         if isinstance(statuses, int):  # the common case, a whole batch OK: no list of statuses is built
             for slot in slots:
                 base = bases[slot]
-                words[(base + 16) >> 2] = statuses
+                words[(base + STATUS_AT) >> 2] = statuses
                 words[base >> 2] = state
             return
         for slot, status in zip(slots, statuses, strict=True):
             base = bases[slot]
-            words[(base + 16) >> 2] = status
+            words[(base + STATUS_AT) >> 2] = status
             words[base >> 2] = state
 
     # -- tensor views ---------------------------------------------------------------------------------------

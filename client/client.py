@@ -330,8 +330,8 @@ class Client(Receiving, Lifecycle):
                     descs.append(desc)
                     n_t += n
                 if records and link.up:
-                    head = P.SUBMIT_HEADER.pack(self.session_id, len(records), n_t, 0, self._token)
-                    link.push.send_multipart([SUBMIT_ENVELOPE, b"".join([head, *records, *descs])])
+                    body = P.submit_body(self.session_id, self._token, records, descs, n_t)
+                    link.push.send_multipart([SUBMIT_ENVELOPE, body])
             finally:
                 link.send_lock.release()
 

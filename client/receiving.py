@@ -20,7 +20,8 @@ from typing import Any
 import zmq
 
 from broker import protocol as P
-from broker.ring import SLOT_HEADER, STATE_GEN, Segment, SlotState
+from broker.protocol import SLOT_HEADER, STATE_GEN, SlotState
+from broker.ring import Segment
 from broker.spin import SpinPolicy
 from client.errors import ShmBrokerError, WorkerDied
 from client.lead import ReceiveRole

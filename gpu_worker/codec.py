@@ -8,7 +8,6 @@ holds ``rows``); anything else takes the detailed checks in ``intake``, which na
 
 from __future__ import annotations
 
-import struct
 from typing import TYPE_CHECKING
 
 from broker import protocol as P
@@ -19,8 +18,8 @@ from gpu_worker.intake import ModelView
 if TYPE_CHECKING:
     from gpu_worker.runner import Work
 
-RESULT_OK = struct.Struct("<QIIIIIIII")
 DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
+OK = int(P.Status.OK)
 
 
 class ModelCodec:
@@ -54,10 +53,10 @@ class ModelCodec:
         n_t = 0
         n_out = self.n_outputs
         outputs = self.outputs
+        pack, ok = P.RESULT.pack, OK  # locals: read once per DONE, not per request
         for w in done:
             req = w.req
-            records.append(RESULT_OK.pack(req.request_id, req.slot, req.generation, 0, n_t, n_out, 0, 0, 0))
+            records.append(pack(req.request_id, req.slot, req.generation, ok, n_t, n_out, 0, 0, 0))
             tensors.append(outputs[w.rows][1])
             n_t += n_out
-        head = P.DONE_HEADER.pack(session_id, len(done), n_t, 0)
-        return [DONE_ENVELOPE, b"".join([head, *records, *tensors])]
+        return [DONE_ENVELOPE, P.done_body(session_id, records, tensors, n_t)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from broker import protocol as P
-from broker.ring import HINT, HINT_AT, HINT_CAPACITY, HINT_RECORD_AT, STATE_GEN, SlotState
+from broker.protocol import HINT, HINT_AT, HINT_CAPACITY, HINT_RECORD_AT, STATE_GEN, SlotState
 from gpu_worker.sessions import WorkerSession
 
 
@@ -41,4 +41,4 @@ def hinted_submit(w: Watch, worker_id: int) -> bytes | None:
     _rid, slot, gen, _model, first, count, _timeout = P.REQUEST.unpack_from(record)
     if slot != w.slot or gen != w.generation or first != 0 or n != P.REQUEST.size + P.TENSOR.size * count:
         return None
-    return P.SUBMIT_HEADER.pack(w.session.session_id, 1, count, 0, w.session.token) + record
+    return P.submit_body(w.session.session_id, w.session.token, [record], [], count)  # record holds the descs

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from broker import protocol as P
-from broker.ring import RingError, SlotState, check_span, pack_offsets
+from broker.protocol import SlotState
+from broker.ring import RingError, check_span, pack_offsets
 from gpu_worker.engines.base import IOSpec
 from gpu_worker.sessions import WorkerSession
 

@@ -21,7 +21,7 @@ from typing import cast
 import numpy as np
 
 from broker import protocol as P
-from broker.ring import SlotState
+from broker.protocol import SlotState
 from gpu_worker.batcher import Batcher, Take
 from gpu_worker.codec import ModelCodec
 from gpu_worker.engines.base import DeviceEngine, Engine, is_device_engine

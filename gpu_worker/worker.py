@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import struct
 import threading
 import time
 from pathlib import Path
@@ -21,7 +20,8 @@ import zmq
 from broker import protocol as P
 from broker import runtime
 from broker.config import Config
-from broker.ring import STATE_GEN, RingError, SlotState
+from broker.protocol import STATE_GEN, TENSOR_ROWS, TENSOR_ROWS_AT, SlotState
+from broker.ring import RingError
 from broker.spin import SpinPolicy
 from gpu_worker.hints import Watch, hinted_submit
 from gpu_worker.intake import Rejected, check_slot, check_tensors
@@ -35,8 +35,6 @@ log = logging.getLogger(__name__)
 POLL_MS = 20
 INLINE_BATCHES = 8  # due batches of a cheap model run inline per wake-up; the runner takes any left
 SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
-ROWS = struct.Struct("<q")
-ROWS_AT = 24  # dims[0] within a tensor descriptor
 SWEEP_S = 0.002  # how often queued requests are checked for expired deadlines
 SUBMITTED = int(SlotState.SUBMITTED)  # a plain int: compared once per request on the hot path
 
@@ -265,7 +263,7 @@ class Worker:
             if slot >= n_slots or count != n_in or first > n_t or count > n_t - first:
                 return False
             start = t_base + t_size * first
-            rows = ROWS.unpack_from(body, start + ROWS_AT)[0]
+            rows = TENSOR_ROWS.unpack_from(body, start + TENSOR_ROWS_AT)[0]
             canon = canons.get(rows)
             # canon[0] is exactly count descriptors long: startswith compares them in place, without a copy
             if canon is None or rows > max_items or not body.startswith(canon[0], start):

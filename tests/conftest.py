@@ -129,7 +129,7 @@ class RunningBroker:
                     n_slots, stride = ring.SEGMENT_HEADER.unpack(head)[4:6]
                     for i in range(n_slots):
                         fh.seek(ring.HEADER_BYTES + i * stride)
-                        count += ring.STATE_WORD.unpack(fh.read(4))[0] == ring.SlotState.SUBMITTED
+                        count += P.STATE_WORD.unpack(fh.read(P.STATE_WORD.size))[0] == P.SlotState.SUBMITTED
             except (FileNotFoundError, struct.error):  # a session closing meanwhile
                 continue
         return count

@@ -12,7 +12,7 @@ import numpy as np
 import zmq
 
 from broker import protocol as P
-from broker.ring import SlotState
+from broker.protocol import SlotState
 from client.session import Link, ModelPlan, control_socket, handshake
 
 

@@ -30,7 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker import protocol as P
-from broker.ring import HEADER_BYTES, SLOT_HEADER_BYTES
+from broker.protocol import SLOT_HEADER_BYTES
+from broker.ring import HEADER_BYTES
 from client import Client
 from tests.conftest import arr, start_broker
 from tests.rawclient import RawClient

@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from broker import protocol as P
-from broker.ring import SlotState
+from broker.protocol import SlotState
 from client import Client
 from tests.conftest import RunningBroker, start_broker
 from tests.rawclient import RawClient

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from broker import protocol as P
 from broker import ring as R
-from broker.ring import RingError, RingLayout, Segment, SlotState
+from broker.protocol import SlotState
+from broker.ring import RingError, RingLayout, Segment
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -36,7 +37,7 @@ from broker.ring import RingError, RingLayout, Segment, SlotState
 )
 def test_layout_offsets(in_cap: int, out_cap: int, out_offset: int, stride: int) -> None:
     lay = RingLayout(session_id=1, n_slots=3, in_capacity=in_cap, out_capacity=out_cap)
-    assert lay.in_offset == R.SLOT_HEADER_BYTES == 256
+    assert lay.in_offset == P.SLOT_HEADER_BYTES == 256
     assert lay.out_offset == out_offset
     assert lay.slot_stride == stride
     assert lay.total_bytes == R.HEADER_BYTES + 3 * stride
@@ -60,7 +61,7 @@ def test_layout_alignment_and_disjoint_regions(n_slots: int, in_cap: int, out_ca
         assert lay.input_base(slot) % R.REGION_ALIGN == 0
         assert lay.output_base(slot) % R.REGION_ALIGN == 0
         # header | input | output, in order, inside the slot and not overlapping
-        assert lay.input_base(slot) >= lay.slot_base(slot) + R.SLOT_HEADER_BYTES
+        assert lay.input_base(slot) >= lay.slot_base(slot) + P.SLOT_HEADER_BYTES
         assert lay.input_base(slot) + in_cap <= lay.output_base(slot)
         assert lay.output_base(slot) + out_cap <= lay.slot_base(slot) + lay.slot_stride
     assert lay.output_base(n_slots - 1) + out_cap <= lay.total_bytes
@@ -222,7 +223,7 @@ def test_create_file_mode_size_and_header(segments: SegmentFactory) -> None:
     assert seg.creator
     header = R.SEGMENT_HEADER.unpack_from(seg.buf, 0)
     assert header == (
-        R.MAGIC, R.LAYOUT_VERSION, R.HEADER_BYTES, 42, 4, LAYOUT.slot_stride, R.SLOT_HEADER_BYTES,
+        R.MAGIC, R.LAYOUT_VERSION, R.HEADER_BYTES, 42, 4, LAYOUT.slot_stride, P.SLOT_HEADER_BYTES,
         1000, 300, LAYOUT.total_bytes, os.getpid(),
     )  # fmt: skip
     # every slot starts FREE and zeroed
@@ -326,8 +327,8 @@ def test_publish_and_read_slot_across_mappings(segments: SegmentFactory, opened:
     assert seg.read_slot(2) == (SlotState.SUBMITTED, 7, 2**64 - 1, 0)
     # the state word is the first 4 bytes of the slot
     base = LAYOUT.slot_base(2)
-    assert R.STATE_WORD.unpack_from(seg.buf, base)[0] == SlotState.SUBMITTED
-    assert R.SLOT_HEADER.unpack_from(seg.buf, base) == (SlotState.SUBMITTED, 7, 2**64 - 1, 0)
+    assert P.STATE_WORD.unpack_from(seg.buf, base)[0] == SlotState.SUBMITTED
+    assert P.SLOT_HEADER.unpack_from(seg.buf, base) == (SlotState.SUBMITTED, 7, 2**64 - 1, 0)
     # the neighbours are untouched
     assert seg.read_slot(1) == (SlotState.FREE, 0, 0, 0)
     assert seg.read_slot(3) == (SlotState.FREE, 0, 0, 0)
@@ -345,23 +346,23 @@ def test_post_request_writes_the_slot_header_and_hint_of_protocol_4_2(segments: 
     seg = segments(LAYOUT)
     descs = bytes(range(64)) * n_descs
     base = LAYOUT.slot_base(1)
-    seg.buf[base : base + R.SLOT_HEADER_BYTES] = b"\xee" * R.SLOT_HEADER_BYTES  # old garbage: a missed byte shows
+    seg.buf[base : base + P.SLOT_HEADER_BYTES] = b"\xee" * P.SLOT_HEADER_BYTES  # old garbage: a missed byte shows
     fits = seg.post_request(1, 3, 2**64 - 2, 2**32 - 1, 9, n_descs, 123456, descs)
-    posted = bytes(seg.buf[base : base + R.SLOT_HEADER_BYTES])
-    assert fits == (P.REQUEST.size + len(descs) <= R.HINT_CAPACITY)
+    posted = bytes(seg.buf[base : base + P.SLOT_HEADER_BYTES])
+    assert fits == (P.REQUEST.size + len(descs) <= P.HINT_CAPACITY)
     # the layout written out field by field, as a C client would
-    reference = R.SLOT_HEADER.pack(SlotState.SUBMITTED, 2**32 - 1, 2**64 - 2, 0)
+    reference = P.SLOT_HEADER.pack(SlotState.SUBMITTED, 2**32 - 1, 2**64 - 2, 0)
     if fits:
-        reference += R.HINT.pack(P.REQUEST.size + len(descs), 3)
+        reference += P.HINT.pack(P.REQUEST.size + len(descs), 3)
         reference += P.REQUEST.pack(2**64 - 2, 1, 2**32 - 1, 9, 0, n_descs, 123456) + descs
     else:
-        reference += R.HINT.pack(0, 0)
-    assert R.HINT.unpack_from(posted, R.HINT_AT) == ((P.REQUEST.size + len(descs), 3) if fits else (0, 0))
+        reference += P.HINT.pack(0, 0)
+    assert P.HINT.unpack_from(posted, P.HINT_AT) == ((P.REQUEST.size + len(descs), 3) if fits else (0, 0))
     assert seg.read_slot(1) == (SlotState.SUBMITTED, 2**32 - 1, 2**64 - 2, 0)
     # past the hint's end, the old bytes are left alone
-    end = R.HINT_RECORD_AT + P.REQUEST.size + len(descs) if fits else R.HINT_RECORD_AT
+    end = P.HINT_RECORD_AT + P.REQUEST.size + len(descs) if fits else P.HINT_RECORD_AT
     assert len(reference) == end
-    assert posted[:end] == reference and posted[end:] == b"\xee" * (R.SLOT_HEADER_BYTES - end)
+    assert posted[:end] == reference and posted[end:] == b"\xee" * (P.SLOT_HEADER_BYTES - end)
 
 
 def test_a_taken_hint_reads_zero_and_the_rest_of_the_header_stays(segments: SegmentFactory,
@@ -371,11 +372,11 @@ def test_a_taken_hint_reads_zero_and_the_rest_of_the_header_stays(segments: Segm
     opened.append(worker)
     assert seg.post_request(2, 7, 11, 3, 1, 1, 0, b"\x01" * P.TENSOR.size)
     assert seg.hint_word(2) == (P.REQUEST.size + P.TENSOR.size) | (7 << 16)
-    header = bytes(seg.buf[LAYOUT.slot_base(2) : LAYOUT.slot_base(2) + R.SLOT_HEADER_BYTES])
+    header = bytes(seg.buf[LAYOUT.slot_base(2) : LAYOUT.slot_base(2) + P.SLOT_HEADER_BYTES])
     worker.clear_hint(2)
     assert seg.hint_word(2) == 0 and seg.read_slot(2) == (SlotState.SUBMITTED, 3, 11, 0)
-    after = bytes(seg.buf[LAYOUT.slot_base(2) : LAYOUT.slot_base(2) + R.SLOT_HEADER_BYTES])
-    assert after[: R.HINT_AT] == header[: R.HINT_AT] and after[R.HINT_AT + 4 :] == header[R.HINT_AT + 4 :]
+    after = bytes(seg.buf[LAYOUT.slot_base(2) : LAYOUT.slot_base(2) + P.SLOT_HEADER_BYTES])
+    assert after[: P.HINT_AT] == header[: P.HINT_AT] and after[P.HINT_AT + 4 :] == header[P.HINT_AT + 4 :]
     assert not seg.post_request(1, 7, 12, 3, 1, 3, 0, b"\x01" * 3 * P.TENSOR.size)  # too big: no hint
     assert seg.hint_word(1) == 0
 

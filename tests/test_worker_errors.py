@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from broker import protocol as P
-from broker.ring import SlotState
+from broker.protocol import SlotState
 from client import Client, Overloaded
 from tests.conftest import HINT_MODELS, RunningBroker, arr, start_broker
 from tests.rawclient import RawClient
