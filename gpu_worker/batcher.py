@@ -1,8 +1,9 @@
 """The dynamic batcher of one model: a bounded FIFO that hands out batches by Triton's rules.
 
 Invariant: a request is in the queue, or in exactly one batch, or answered expired; never two of these.
-A batch forms at once when ``max_batch`` items wait or a preferred size is reached, else when the oldest
-request has waited ``max_queue_delay_us``. Requests past their deadline are never put in a batch.
+A batch forms at once when ``max_batch`` items wait or a preferred size is reached, or (idle dispatch) while
+fewer than ``idle_below`` of its batches run; else when the oldest request has waited ``max_queue_delay_us``.
+Requests past their deadline are never put in a batch. Every batch handed out is reported ``done`` once.
 """
 
 from __future__ import annotations
@@ -53,9 +54,14 @@ class Batcher(Generic[E]):
     """Thread-safe: ``put`` and ``expire`` from the intake thread, ``take`` from the model's runner."""
 
     def __init__(
-        self, max_batch: int, max_queue_delay_us: int, preferred: list[int], max_queue_size: int
+        self, max_batch: int, max_queue_delay_us: int, preferred: list[int], max_queue_size: int,
+        idle_below: int = 0,
     ) -> None:
+        """``idle_below``: a batch leaves at once, whatever the delay, while fewer than this many batches of
+        this batcher run (the executors that would otherwise sit idle); 0 waits by Triton's rule always."""
         self.max_batch = max_batch
+        self.idle_below = idle_below
+        self._running = 0
         self.delay = max_queue_delay_us / 1e6
         self.preferred = sorted(set(preferred))
         self.max_queue_size = max_queue_size
@@ -91,6 +97,18 @@ class Batcher(Generic[E]):
             if wake and taken:
                 self._cond.notify()
         return len(taken)
+
+    def done(self) -> None:
+        """A batch handed out by ``take`` or ``take_now`` has finished: a queued request may be due now."""
+        with self._cond:
+            self._running -= 1
+            if self._q:
+                self._cond.notify()
+
+    @property
+    def running(self) -> int:
+        """Batches handed out and not yet ``done``."""
+        return self._running
 
     def kick(self) -> None:
         """Wake the runner if anything is queued."""
@@ -159,6 +177,8 @@ class Batcher(Generic[E]):
         """Seconds until a batch is due: 0 now, inf while the queue is empty."""
         if not self._q:
             return float("inf")
+        if self._running < self.idle_below:  # an executor would sit idle while this waits: no delay
+            return 0.0
         if self._items >= self.max_batch or (self.preferred and self._items >= self.preferred[0]):
             return 0.0
         wait_until = self._q[0].enqueued + self.delay
@@ -186,6 +206,7 @@ class Batcher(Generic[E]):
             batch.append(self._q.popleft())
             rows = batch[0].rows
         self._items -= rows
+        self._running += 1
         return batch
 
     def _drop_expired(self, now: float) -> list[E]:

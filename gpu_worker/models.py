@@ -7,10 +7,10 @@ import logging
 import time
 
 from broker import protocol as P
-from broker.config import Config
+from broker.config import Config, ModelSection
 from gpu_worker import cuda, model_source
 from gpu_worker.batcher import Batcher
-from gpu_worker.engines import Engine, IOSpec, load_engine
+from gpu_worker.engines import Engine, IOSpec, is_device_engine, load_engine
 from gpu_worker.intake import ModelView
 from gpu_worker.runner import BatchRunner, Work, make_runner
 from gpu_worker.warmup import prime
@@ -42,13 +42,21 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
         )
         view = ModelView(model_id, name, mc.max_batch, engine.inputs, engine.outputs, mc.timeout_ms)
         batcher: Batcher[Work] = Batcher(mc.max_batch, mc.max_queue_delay_us, mc.preferred_batch_sizes,
-                                         mc.max_queue_size)
+                                         mc.max_queue_size, idle_below(mc, engine))
         runner = make_runner(view, engine, batcher, mc.streams, mc.instances)
         if mc.warmup:
             prime(runner)
         served[model_id] = ServedModel(view, engine, runner)
         log.info("model %s ready on %s in %.2f s", name, device, time.monotonic() - t0)
     return served
+
+
+def idle_below(mc: ModelSection, engine: Engine) -> int:
+    """How few running batches leave an executor idle: any of the CPU instances is one; a GPU's stream slots
+    share one device, which is idle only when none of them runs (0: idle dispatch off)."""
+    if not mc.idle_dispatch:
+        return 0
+    return 1 if is_device_engine(engine) else mc.instances
 
 
 def overloaded_message(model: str, size: int) -> str:

@@ -168,6 +168,11 @@ class PipelineRunner(BatchRunner):
             log.error("model %s: stream slot %d did not drain after a failed launch: %s", self.model.name,
                       slot.index, sync_exc)
         self.fail(works, exc)
+        self._finished(slot)
+
+    def _finished(self, slot: StreamSlot) -> None:
+        """A slot's batch is answered: the slot is free, and the batcher knows one batch fewer runs."""
+        self.batcher.done()
         self._free.put(slot)
 
     # -- completion thread ---------------------------------------------------------------------------------
@@ -182,11 +187,11 @@ class PipelineRunner(BatchRunner):
                 slot.end.synchronize()
             except cuda.CudaError as exc:
                 self.fail(works, exc)
-                self._free.put(slot)
+                self._finished(slot)
                 continue
             complete_ok(self.codec, self.counters, works)  # answers first, statistics after
             self._record_stages(slot)
-            self._free.put(slot)
+            self._finished(slot)
 
     def _record_stages(self, slot: StreamSlot) -> None:
         try:

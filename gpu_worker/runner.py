@@ -243,16 +243,19 @@ class ModelRunner(BatchRunner):
             return
         works = take.batch
         try:
-            feeds, rows = self._gather(works, bufs)  # (3)
-            # CPU time of this thread: wall time would count the hypervisor's steal and preemption
-            t0 = time.thread_time()
-            outputs = self.engine.run(feeds)  # (4)
-            self.note_run_time(time.thread_time() - t0)
-        except Exception as exc:  # noqa: BLE001 - an engine failure fails this batch (logged), not the worker
-            self.fail(works, exc)
-            return
-        self.counters.batch(rows)
-        self._complete(works, outputs)  # (5)
+            try:
+                feeds, rows = self._gather(works, bufs)  # (3)
+                # CPU time of this thread: wall time would count the hypervisor's steal and preemption
+                t0 = time.thread_time()
+                outputs = self.engine.run(feeds)  # (4)
+                self.note_run_time(time.thread_time() - t0)
+            except Exception as exc:  # noqa: BLE001 - an engine failure fails this batch (logged), not the worker
+                self.fail(works, exc)
+                return
+            self.counters.batch(rows)
+            self._complete(works, outputs)  # (5)
+        finally:
+            self.batcher.done()  # the instance is free: with idle dispatch, what is queued may leave now
 
     def _gather(self, works: list[Work], bufs: _Buffers) -> tuple[dict[str, np.ndarray], int]:
         names = self._names

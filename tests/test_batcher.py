@@ -403,3 +403,45 @@ def test_every_request_ends_up_exactly_once() -> None:
     seen += _names(b.close())
     assert sorted(seen) == sorted(e.item for e in entries)
     assert len(seen) == len(set(seen))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Idle dispatch: no delay while an executor would sit idle
+# ---------------------------------------------------------------------------------------------------------
+def test_idle_dispatch_sends_a_lone_request_at_once_and_waits_while_busy() -> None:
+    b: Batcher[Queued[str]] = Batcher(4, LONG_US, [], 100, idle_below=1)
+    assert b.put(_entry("lone"))
+    first = b.take_now()  # nothing runs: due now although the delay is a minute away
+    assert first is not None and _names(first.batch) == ["lone"]
+    assert b.running == 1
+    assert b.put(_entry("second"))
+    assert b.take_now() is None  # one batch runs, the only executor is busy: the delay applies again
+    t, out = _take_in_thread(b, LONG)
+    _wait_until_sleeping(b)
+    b.done()  # the executor is free: the waiting taker gets the queued request without the delay
+    t.join(LONG)
+    assert out and out[0] is not None and _names(out[0].batch) == ["second"]
+    b.done()
+    assert b.running == 0
+
+
+def test_idle_dispatch_fills_every_instance_then_waits() -> None:
+    b: Batcher[Queued[str]] = Batcher(4, LONG_US, [], 100, idle_below=2)
+    for name in ("a", "b"):
+        assert b.put(_entry(name))
+    first = b.take_now()
+    assert first is not None and _names(first.batch) == ["a", "b"]  # all there was, at once
+    assert b.put(_entry("c"))
+    second = b.take_now()
+    assert second is not None and _names(second.batch) == ["c"]  # the second instance is idle: no delay
+    assert b.put(_entry("d"))
+    assert b.take_now() is None  # both instances busy: by the delay
+    b.done()
+    third = b.take_now()
+    assert third is not None and _names(third.batch) == ["d"]
+
+
+def test_without_idle_dispatch_a_lone_request_waits_for_the_delay() -> None:
+    b = _batcher(max_batch=4)  # idle_below=0: Triton's rule
+    assert b.put(_entry("lone"))
+    assert b.take_now() is None

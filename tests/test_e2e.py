@@ -259,3 +259,35 @@ def test_instances_run_batches_at_once_and_each_batch_answers_its_own_requests(
         assert wrong == [0, 0]
     finally:
         assert b.stop() == 0, b.log()
+
+
+IDLE_MODELS = """
+[models.tiny]
+path = "builtin:tiny"
+max_batch = 16
+max_queue_delay_us = 10000000
+max_queue_size = 64
+timeout_ms = 2000
+intra_op_threads = 1
+idle_dispatch = {idle}
+"""
+
+
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+@pytest.mark.parametrize("idle", [True, False])
+def test_idle_dispatch_runs_a_lone_request_without_the_queue_delay(tmp_path: Path, worker_mode: str,
+                                                                   idle: bool) -> None:
+    """A queue delay of 10 s against a 2 s deadline: with idle dispatch the idle runner takes the lone request
+    at once and it succeeds; by Triton's rule it waits for company until its deadline passes."""
+    b = start_broker(tmp_path, worker_mode, models=IDLE_MODELS.format(idle="true" if idle else "false"))
+    x = np.full((1, 256), 0.5, np.float32)
+    try:
+        with Client(b.runtime_dir) as c:
+            for _ in range(3):
+                if idle:
+                    np.testing.assert_allclose(arr(c.infer("tiny", x)), direct("tiny", x), rtol=0, atol=1e-5)
+                else:
+                    with pytest.raises(RequestTimeout):
+                        c.infer("tiny", x)
+    finally:
+        assert b.stop() == 0, b.log()
