@@ -41,14 +41,27 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
             fp16=mc.fp16, cuda_graphs=mc.cuda_graphs, max_batch=mc.max_batch,
         )
         view = ModelView(model_id, name, mc.max_batch, engine.inputs, engine.outputs, mc.timeout_ms)
+        lone = lone_engine(cfg, name)
         batcher: Batcher[Work] = Batcher(mc.max_batch, mc.max_queue_delay_us, mc.preferred_batch_sizes,
                                          mc.max_queue_size, idle_below(mc, engine))
-        runner = make_runner(view, engine, batcher, mc.streams, mc.instances)
+        runner = make_runner(view, engine, batcher, mc.streams, mc.instances, lone)
         if mc.warmup:
             prime(runner)
         served[model_id] = ServedModel(view, engine, runner)
         log.info("model %s ready on %s in %.2f s", name, device, time.monotonic() - t0)
     return served
+
+
+def lone_engine(cfg: Config, name: str) -> Engine | None:
+    """For a CPU model of several instances with a fixed thread count: the model on all their threads, with
+    ONNX Runtime's spinning on, for a batch that runs alone; None for every other model."""
+    mc = cfg.models[name]
+    if mc.engine != "onnxruntime" or mc.instances < 2 or mc.intra_op_threads < 1:
+        return None
+    from gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
+
+    return OnnxRuntimeEngine(model_source.resolve(cfg.model_path(name)),
+                             intra_op_threads=mc.instances * mc.intra_op_threads, spin=True)
 
 
 def idle_below(mc: ModelSection, engine: Engine) -> int:

@@ -210,11 +210,14 @@ class ModelRunner(BatchRunner):
 
     ``instances`` batches run at once, each on its own thread with its own buffers (an engine's ``run`` is
     thread-safe). The first instance's thread and the inline runs share one set, serialized by ``_busy``.
+    ``lone``: the same model on every instance's threads, for a batch that runs alone (no other batch of the
+    model runs when it starts), so that the cores of idle instances help it instead of sitting idle.
     """
 
     def __init__(self, model: ModelView, engine: Engine, batcher: Batcher[Work], counters: ModelCounters,
-                 instances: int = 1) -> None:
+                 instances: int = 1, lone: Engine | None = None) -> None:
         super().__init__(model, engine, batcher, counters)
+        self.lone = lone
         self._bufs = _Buffers(model)
         # further instances: their own buffers, and no lock (only the first instance shares its buffers)
         self._more = [
@@ -230,6 +233,11 @@ class ModelRunner(BatchRunner):
         super().start()
         for t in self._more:
             t.start()
+
+    def stop(self) -> None:
+        super().stop()
+        if self.lone is not None:  # made for this runner alone; the worker closes the shared engine
+            self.lone.close()
 
     def _threads(self) -> list[threading.Thread]:
         return [self._thread, *self._more]
@@ -247,7 +255,8 @@ class ModelRunner(BatchRunner):
                 feeds, rows = self._gather(works, bufs)  # (3)
                 # CPU time of this thread: wall time would count the hypervisor's steal and preemption
                 t0 = time.thread_time()
-                outputs = self.engine.run(feeds)  # (4)
+                lone = self.lone if self.batcher.running <= 1 else None  # this batch is the only one running
+                outputs = (lone or self.engine).run(feeds)  # (4)
                 self.note_run_time(time.thread_time() - t0)
             except Exception as exc:  # noqa: BLE001 - an engine failure fails this batch (logged), not the worker
                 self.fail(works, exc)
@@ -321,10 +330,11 @@ class ModelRunner(BatchRunner):
 
 
 def make_runner(model: ModelView, engine: Engine, batcher: Batcher[Work], streams: int,
-                instances: int = 1) -> BatchRunner:
-    """The GPU pipeline (``streams`` stream slots) for a device engine, else the host runner (``instances``)."""
+                instances: int = 1, lone: Engine | None = None) -> BatchRunner:
+    """The GPU pipeline (``streams`` stream slots) for a device engine, else the host runner (``instances``,
+    ``lone`` for a batch that runs alone)."""
     if is_device_engine(engine):
         from gpu_worker.pipeline import PipelineRunner
 
         return PipelineRunner(model, cast("DeviceEngine", engine), batcher, ModelCounters(), streams)
-    return ModelRunner(model, engine, batcher, ModelCounters(), instances)
+    return ModelRunner(model, engine, batcher, ModelCounters(), instances, lone)

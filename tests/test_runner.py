@@ -3,9 +3,11 @@ instances run batches at once, each from its own buffers."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -69,34 +71,47 @@ class _BothAtOnce:
         pass
 
 
-def test_two_instances_run_two_batches_at_once_each_from_its_own_inputs(tmp_path: Path) -> None:
-    engine = _BothAtOnce()
-    view = ModelView(0, "double", 2, engine.inputs, engine.outputs, 5000)
-    batcher: Batcher[Work] = Batcher(2, 0, [], 64)
-    runner = ModelRunner(view, engine, batcher, ModelCounters(), instances=2)
+@contextlib.contextmanager
+def _ring_session(tmp_path: Path) -> Iterator[tuple[WorkerSession, threading.Event]]:
+    """A worker session on a ring of 4 slots, all claimed; the event is set once every slot was answered."""
     layout = RingLayout(session_id=3, n_slots=4, in_capacity=64, out_capacity=64)
     seg = Segment.create(new_segment_name("t" + secrets.token_hex(4)), layout)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     attach = P.Attach(3, 99, seg.name, layout.total_bytes, 4, layout.slot_stride, 64, 64, 1)
     session = WorkerSession(ctx, attach, 0, tmp_path, 0o600, None)
+    all_answered = threading.Event()
+    finish = session.finish
+
+    def finish_and_tell(slots: list[int], state: int, statuses: int | list[int], frames: list[bytes]) -> None:
+        finish(slots, state, statuses, frames)
+        if not session.in_flight:
+            all_answered.set()
+
+    session.finish = finish_and_tell  # type: ignore[method-assign]
+    session.in_flight.update(range(4))
     try:
+        yield session, all_answered
+    finally:
+        session.close()
+        seg.close()
+        seg.unlink()
+        ctx.term()
+
+
+def _work(session: WorkerSession, slot: int, x: np.ndarray) -> Work:
+    session.segment.input_view(slot, 0, x.dtype, x.shape)[...] = x
+    req = P.SubmitRequest(slot + 1, slot, 1, 0, 0, [P.TensorDesc(0, int(P.DType.FP32), 0, 16, (1, 4))])
+    return Work(session, req, 1, time.monotonic() + 5, time.monotonic())
+
+
+def test_two_instances_run_two_batches_at_once_each_from_its_own_inputs(tmp_path: Path) -> None:
+    engine = _BothAtOnce()
+    view = ModelView(0, "double", 2, engine.inputs, engine.outputs, 5000)
+    batcher: Batcher[Work] = Batcher(2, 0, [], 64)
+    runner = ModelRunner(view, engine, batcher, ModelCounters(), instances=2)
+    with _ring_session(tmp_path) as (session, all_answered):
         xs = [np.full((1, 4), 10.0 * (slot + 1), np.float32) for slot in range(4)]
-        works = []
-        for slot, x in enumerate(xs):
-            seg.input_view(slot, 0, x.dtype, x.shape)[...] = x
-            req = P.SubmitRequest(slot + 1, slot, 1, 0, 0, [P.TensorDesc(0, int(P.DType.FP32), 0, 16, (1, 4))])
-            works.append(Work(session, req, 1, time.monotonic() + 5, time.monotonic()))
-        session.in_flight.update(range(4))
-        all_answered = threading.Event()
-        finish = session.finish
-
-        def finish_and_tell(slots: list[int], state: int, statuses: int | list[int], frames: list[bytes]) -> None:
-            finish(slots, state, statuses, frames)
-            if not session.in_flight:
-                all_answered.set()
-
-        session.finish = finish_and_tell  # type: ignore[method-assign]
-        batcher.put_many(works)  # two batches of two: one for each instance
+        batcher.put_many([_work(session, slot, x) for slot, x in enumerate(xs)])  # two batches of two
         runner.start()
         answered = all_answered.wait(10)
         runner.stop()
@@ -104,8 +119,47 @@ def test_two_instances_run_two_batches_at_once_each_from_its_own_inputs(tmp_path
         for slot, x in enumerate(xs):
             y = session.segment.output_view(slot, 0, np.dtype("float32"), (1, 4))
             np.testing.assert_array_equal(y, 2 * x, err_msg=f"slot {slot} got another request's outputs")
-    finally:
-        session.close()
-        seg.close()
-        seg.unlink()
-        ctx.term()
+
+
+class _Recording:
+    """An engine that notes each run under its name; ``hold`` keeps a run inside until released."""
+
+    def __init__(self, name: str, runs: list[str], hold: threading.Event | None = None) -> None:
+        self.inputs = [IOSpec("x", np.dtype("float32"), (-1, 4))]
+        self.outputs = [IOSpec("y", np.dtype("float32"), (-1, 4))]
+        self.name, self.runs, self.hold = name, runs, hold
+        self.entered = threading.Event()
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        self.runs.append(self.name)
+        self.entered.set()
+        if self.hold is not None:
+            assert self.hold.wait(10)
+        return [feeds["x"] * 2]
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_batch_that_runs_alone_uses_every_instances_threads(tmp_path: Path) -> None:
+    """The lone engine runs a batch that starts with no other batch running; a batch that starts while it
+    runs takes the instance's own engine."""
+    runs: list[str] = []
+    release = threading.Event()
+    lone, own = _Recording("lone", runs, release), _Recording("own", runs)
+    view = ModelView(0, "double", 1, own.inputs, own.outputs, 5000)
+    batcher: Batcher[Work] = Batcher(1, 0, [], 64)
+    runner = ModelRunner(view, own, batcher, ModelCounters(), instances=2, lone=lone)
+    with _ring_session(tmp_path) as (session, all_answered):
+        session.in_flight.difference_update({2, 3})
+        runner.start()
+        try:
+            batcher.put(_work(session, 0, np.ones((1, 4), np.float32)))
+            assert lone.entered.wait(10)  # alone: on the lone engine, held there
+            batcher.put(_work(session, 1, np.ones((1, 4), np.float32)))
+            assert own.entered.wait(10)  # the other instance, while the first batch still runs
+        finally:
+            release.set()
+        assert all_answered.wait(10)
+        runner.stop()
+    assert runs == ["lone", "own"]

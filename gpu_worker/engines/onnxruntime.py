@@ -48,13 +48,15 @@ def _spec(arg: Any, role: str) -> IOSpec:
 class OnnxRuntimeEngine:
     """One InferenceSession on the CPU provider; ``run`` is thread-safe (ONNX Runtime allows concurrent runs)."""
 
-    def __init__(self, source: str | bytes, *, intra_op_threads: int = 0) -> None:
+    def __init__(self, source: str | bytes, *, intra_op_threads: int = 0, spin: bool = False) -> None:
+        """``spin``: let ONNX Runtime's pool threads spin between and after parallel sections (its default)."""
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = intra_op_threads
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # ORT's pool spins after each run by default; on a small box that steals the cores the
-        # IO threads and the clients need, and costs far more than the wake-up it saves
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # ORT's pool spins after each run by default; on a small box that steals the cores the IO threads and
+        # the clients need, and costs far more than the wake-up it saves, except for a batch that runs alone
+        # on every core (bench/RESULTS.md, "Idle dispatch")
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         try:
             self._session = ort.InferenceSession(source, sess_options=opts, providers=["CPUExecutionProvider"])
         except Exception as exc:  # ORT raises its own untyped errors for unreadable models
