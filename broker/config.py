@@ -61,9 +61,9 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: Literal["onnxruntime", "torch", "inductor", "tensorrt"] = "onnxruntime"
     max_batch: Annotated[int, Meta(ge=1, le=4096)] = 8
     max_queue_delay_us: Annotated[int, Meta(ge=0, le=10_000_000)] = 1000
-    # true: a batch leaves at once, without max_queue_delay_us, while an engine instance (CPU) or the GPU is
-    # idle; false: Triton's rule (bench/RESULTS.md, "Idle dispatch" says why it is off by default)
-    idle_dispatch: bool = False
+    # a batch leaves at once, without max_queue_delay_us, while an engine instance (CPU) or the GPU is idle;
+    # false: every batch waits by Triton's rule (bench/RESULTS.md, "Idle dispatch")
+    idle_dispatch: bool = True
     preferred_batch_sizes: list[Annotated[int, Meta(ge=1, le=4096)]] = msgspec.field(default_factory=list)
     max_queue_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 256
     timeout_ms: Ms = 500

@@ -38,6 +38,7 @@ class WorkerSession:
         # (slot, generation) of requests admitted from their submit hint whose SUBMIT has not come yet, oldest
         # first; an entry goes when its SUBMIT comes (gpu_worker.hints)
         self.hinted: dict[tuple[int, int], bool] = {}
+        self.hint_high: dict[int, int] = {}  # slot -> the generation of its latest request taken from a hint
         self.detaching = False
         # views of a slot's tensors at their canonical offsets, by (model_id, slot, rows): (inputs by name,
         # outputs), built at the slot's first one-request batch and reused (gpu_worker.runner); dropped before
@@ -99,8 +100,19 @@ class WorkerSession:
         client that never sends the SUBMIT (against the protocol) the oldest entry goes, and a late SUBMIT
         for it would be refused as stale, not run twice."""
         self.hinted[(slot, generation)] = True
+        self.hint_high[slot] = generation
         if len(self.hinted) > 2 * self.layout.n_slots:
             del self.hinted[next(iter(self.hinted))]
+
+    def late_hinted(self, slot: int, generation: int) -> bool:
+        """A SUBMIT entry that comes after its slot moved past it, for a generation at or before the slot's
+        latest one taken from a hint: a request answered long ago whose SUBMIT the client sent before it saw
+        the hint taken (PROTOCOL 4.2). Dropped without an answer, however late."""
+        high = self.hint_high.get(slot)
+        if high is None:
+            return False
+        _state, current = P.STATE_GEN.unpack_from(self.segment.buf, self.layout.slot_bases[slot])
+        return current != generation and (high - generation) & 0xFFFF_FFFF < 1 << 31
 
     def claim_slots(self, slots: list[int]) -> bool:
         """Claim all of them, or (one is in flight or named twice) none."""

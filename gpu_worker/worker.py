@@ -208,6 +208,10 @@ class Worker:
         for req in batch.requests:
             if session.hinted.pop((req.slot, req.generation), False):
                 continue  # admitted from its hint already
+            if session.late_hinted(req.slot, req.generation):
+                log.debug("session %d slot %d: late SUBMIT of generation %d, taken from its hint, dropped",
+                          session.session_id, req.slot, req.generation)
+                continue
             try:
                 self._admit(session, req, now)
             except Rejected as rej:

@@ -269,6 +269,35 @@ def test_a_spinning_worker_takes_hinted_requests_and_drops_their_late_submits(tm
         assert b.stop() == 0, b.log()
 
 
+def test_submits_of_hinted_requests_are_dropped_however_late(tmp_path: Path) -> None:
+    """The SUBMITs of 40 requests taken from their hints in one slot, sent only after all were answered (more
+    than the worker's memory of twice the slot count): none is answered again, and the worker serves on."""
+    b = start_broker(tmp_path, "process", models=HINT_MODELS)
+    raw = RawClient(b.runtime_dir)
+    try:
+        x = np.ones((1, 256), np.float32)
+        held: list[P.SubmitRequest] = []
+        for i in range(4000):
+            req = raw.prepare(0, "tiny", x, hint=True)
+            early = i % 4 == 3 and answered_in_header(raw, 0, req.generation, 0.002)
+            if early:
+                held.append(req)  # answered from its hint: its SUBMIT waits
+            else:
+                raw.send(req)
+            results = raw.recv()
+            assert results is not None and [(r.request_id, r.status) for r in results] == [(req.request_id, S.OK)]
+            if len(held) == 40:
+                break
+        assert len(held) == 40, f"only {len(held)} requests were taken from their hints"
+        assert 2 * raw.segment.layout.n_slots < 40
+        raw.send(*held)
+        assert raw.recv(timeout=0.5) is None, "a late SUBMIT of a hinted request was answered"
+        assert_still_serves(raw)
+    finally:
+        raw.close()
+        assert b.stop() == 0, b.log()
+
+
 def test_a_submit_naming_a_hinted_request_twice_gets_one_stale_answer(tmp_path: Path) -> None:
     """The first entry is the hinted request's own SUBMIT (dropped); the repeat is refused, and the worker serves on."""
     models = HINT_MODELS
