@@ -25,7 +25,7 @@ import numpy as np
 
 from bench import report
 from bench.broker_proc import BrokerProcess
-from bench.common import Figures, Progress
+from bench.common import Figures, Progress, emit
 from bench.load import throughput_client
 from bench.procs import Sync, run_group
 from client import AsyncClient, Client
@@ -131,10 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         t["pass"] = t["value"] >= TARGET
     doc = {"schema": "shmbroker-bench-apis/1", "machine": report.machine(), "config": str(cfg),
            "settings": vars(args), "rounds": rounds, "targets": targets}
-    text = json.dumps(doc, indent=2) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-    sys.stdout.write(text)
+    emit(doc, args.out)
     return 0
 
 

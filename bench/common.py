@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,6 +49,14 @@ class Progress:
 
     def done(self, summary: str) -> None:
         self._write(f"  done in {time.monotonic() - self._phase_t0:.1f} s: {summary}")
+
+
+def emit(doc: Figures, out: str | None) -> None:
+    """The JSON document on stdout, and into ``out`` too when given (a small bench's whole output)."""
+    text = json.dumps(doc, indent=2) + "\n"
+    if out:
+        Path(out).write_text(text)
+    sys.stdout.write(text)
 
 
 def latency_summary(samples_ns: Sequence[int] | np.ndarray) -> Figures:

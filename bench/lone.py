@@ -23,7 +23,7 @@ import onnxruntime as ort
 
 from bench import gpu_variants, report
 from bench.broker_proc import BrokerProcess
-from bench.common import Figures, Progress
+from bench.common import Figures, Progress, emit
 from broker import config
 from client import Client
 from gpu_worker import model_source
@@ -100,10 +100,7 @@ def main(argv: list[str] | None = None) -> int:
            "config": cfg.source, "requests": args.requests, "rounds": rounds,
            "target": {"value": ratio, "op": "<=", "target": TARGET, "pass": ratio <= TARGET,
                       "what": "median over rounds: broker p50 with idle dispatch over the better in-process p50"}}
-    text = json.dumps(doc, indent=2) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-    sys.stdout.write(text)
+    emit(doc, args.out)
     return 0
 
 
