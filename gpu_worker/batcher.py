@@ -99,10 +99,12 @@ class Batcher(Generic[E]):
         return len(taken)
 
     def done(self) -> None:
-        """A batch handed out by ``take`` or ``take_now`` has finished: a queued request may be due now."""
+        """A batch handed out by ``take`` or ``take_now`` has finished: with idle dispatch, a queued request that
+        waited out the delay may be due now. Nobody is woken otherwise: a due batch needs no wake-up from here,
+        and a cheap model's runner thread stays asleep while the intake runs its batches inline."""
         with self._cond:
             self._running -= 1
-            if self._q:
+            if self._q and self.delay > 0 and self._running == self.idle_below - 1:
                 self._cond.notify()
 
     @property
