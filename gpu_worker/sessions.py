@@ -97,8 +97,8 @@ class WorkerSession:
 
     def note_hinted(self, slot: int, generation: int) -> None:
         """Remember a request admitted from its hint until its SUBMIT comes. Bounded by twice the slots: for a
-        client that never sends the SUBMIT (against the protocol) the oldest entry goes, and a late SUBMIT
-        for it would be refused as stale, not run twice."""
+        client that never sends the SUBMIT (against the protocol) the oldest entry goes; a SUBMIT later than that
+        is still recognised by the slot's latest hint-taken generation (``late_hinted``), never run twice."""
         self.hinted[(slot, generation)] = True
         self.hint_high[slot] = generation
         if len(self.hinted) > 2 * self.layout.n_slots:
