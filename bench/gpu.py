@@ -66,6 +66,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="(a) sweeps batch sizes 1, 2, 4, ... up to N whatever the config's max_batch (default 256)")
     ap.add_argument("--max-batch", type=int, default=0, metavar="N",
                     help="the model's max_batch in (c), instead of the config's")
+    ap.add_argument("--streams", type=int, default=0, metavar="N",
+                    help="the model's stream slots in (c), instead of the config's")
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,7 @@ class GpuBench:
         return {"per_s": round(completed / self.s.duration_s, 1), "completed": completed,
                 "errors": sum(r["errors"] for r in results), "latency": latency_summary(samples),
                 "gpu_busy_pct": sampler.busy_pct(t0, t1), "gpu_busy_error": sampler.error,
+                "client_cpu_us_per_request": _client_cpu_us(results),
                 "window_monotonic": [t0, t1]}
 
     def classic(self, workdir: Path) -> Figures:
@@ -160,14 +163,21 @@ class GpuBench:
                     shutil.copyfile(b.log_path, self.log_dir / f"broker-{col.engine}.log")
             window = sampler.stats_window(*out["window_monotonic"])
             if window is not None:
-                (ta, before), (tb, after) = window
-                out["stages"] = gpu_load.stage_figures(before, after, MODEL, tb - ta)
+                before, after = window
+                out["stages"] = gpu_load.stage_figures(before.stats, after.stats, MODEL, after.t - before.t)
+                out["worker_cpu_us_per_request"] = gpu_load.worker_cpu(before, after, MODEL)
         out["shutdown"] = b.shutdown_figures()
         out["startup_s"] = None if b.startup_s is None else round(b.startup_s, 2)
         if not out["shutdown"]["shm_clean"]:
             self.failures.append(f"broker ({col.engine}): unclean shutdown {out['shutdown']}")
         return {**out, "clients": self.s.processes, "in_flight_per_client": self.s.in_flight,
                 "max_batch": mc.max_batch, "max_queue_delay_ms": mc.max_queue_delay_us / 1e3}
+
+
+def _client_cpu_us(results: list[Figures]) -> float | None:
+    """The client processes' CPU microseconds per answered request, over their whole run (warm-up included)."""
+    answered = sum(r.get("answered", 0) for r in results)
+    return round(sum(r.get("cpu_s", 0.0) for r in results) * 1e6 / answered, 2) if answered else None
 
 
 def columns(cfg: config.Config, args: argparse.Namespace, workdir: Path) -> list[Column]:
@@ -180,7 +190,7 @@ def columns(cfg: config.Config, args: argparse.Namespace, workdir: Path) -> list
     out = []
     for name in names:
         try:
-            variant = gpu_variants.engine_config(cfg, MODEL, name, package, args.max_batch)
+            variant = gpu_variants.engine_config(cfg, MODEL, name, package, args.max_batch, args.streams)
         except config.ConfigError as exc:
             raise SystemExit(str(exc)) from None
         out.append(Column(name, variant, gpu_variants.write(variant, workdir / f"{name}.toml")))

@@ -14,11 +14,13 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench import cpu_sample
 from bench.common import Figures
 from bench.procs import Sync
 from broker import protocol as P
@@ -38,6 +40,7 @@ class _Chains:
         self.errors: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()
         self.live = n
+        self.answered = 0  # every answer, in the window or not: the client's CPU time is divided by it
         self.drained = threading.Event()
 
     def launch(self, i: int) -> None:
@@ -52,6 +55,7 @@ class _Chains:
     def on_done(self, i: int, exc: ShmBrokerError | None) -> None:
         t = time.perf_counter_ns()
         now = t / 1e9
+        self.answered += 1  # on the client's one receiving thread
         if self.t_count <= now < self.t_end:
             with self.lock:
                 if exc is None:
@@ -81,17 +85,25 @@ def client(spec: dict[str, Any], sync: Sync) -> Figures:
         t0 = time.perf_counter()
         w0 = time.monotonic() + spec["warmup_s"]
         chains = _Chains(c, model, x, t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"], in_flight)
+        cpu0 = time.process_time()
         for i in range(in_flight):
             chains.launch(i)
         drained = chains.drained.wait(spec["warmup_s"] + spec["duration_s"] + 30.0)
+        cpu_s = time.process_time() - cpu0
         with chains.lock:
             samples, errors = list(chains.samples), dict(chains.errors)
     return {"completed": len(samples), "errors": sum(errors.values()), "error_codes": errors,
             "samples_ns": samples, "window_s": spec["duration_s"], "lost": 0 if drained else chains.live,
-            "window_monotonic": [w0, w0 + spec["duration_s"]]}
+            "window_monotonic": [w0, w0 + spec["duration_s"]], "cpu_s": cpu_s, "answered": chains.answered}
 
 
-Snapshot = tuple[float, P.StatsReply]  # (time.monotonic(), the broker's stats then)
+@dataclass(frozen=True)
+class Snapshot:
+    """The broker's stats at ``t`` (time.monotonic()), and the CPU seconds of each worker's threads then."""
+
+    t: float
+    stats: P.StatsReply
+    cpu: dict[int, cpu_sample.CpuSample]  # worker pid -> its threads
 
 
 class Sampler(threading.Thread):
@@ -123,7 +135,8 @@ class Sampler(threading.Thread):
                 if self.runtime_dir is not None and now >= next_stats:
                     reply = ask_broker(self.runtime_dir, P.StatsRequest(), 2.0)
                     if isinstance(reply, P.StatsReply):
-                        self.stats.append((time.monotonic(), reply))
+                        cpu = {w.pid: cpu_sample.threads(w.pid) for w in reply.workers}
+                        self.stats.append(Snapshot(time.monotonic(), reply, cpu))
                     next_stats = now + 0.5
         finally:
             if pynvml is not None:
@@ -139,11 +152,21 @@ class Sampler(threading.Thread):
 
     def stats_window(self, t0: float, t1: float) -> tuple[Snapshot, Snapshot] | None:
         """The first stats snapshot at or after ``t0`` and the last at or before ``t1``."""
-        first = next((s for s in self.stats if s[0] >= t0), None)
-        last = next((s for s in reversed(self.stats) if s[0] <= t1), None)
-        if first is None or last is None or last[0] <= first[0]:
+        first = next((s for s in self.stats if s.t >= t0), None)
+        last = next((s for s in reversed(self.stats) if s.t <= t1), None)
+        if first is None or last is None or last.t <= first.t:
             return None
         return first, last
+
+
+def worker_cpu(before: Snapshot, after: Snapshot, model: str) -> Figures:
+    """Each worker's CPU microseconds per request of ``model`` between two snapshots, by thread name."""
+    a, b = _model(after.stats, model), _model(before.stats, model)
+    if a is None or b is None:
+        return {"error": f"no stats for model {model!r}"}
+    requests = sum(a.requests.values()) - sum(b.requests.values())
+    return {str(pid): cpu_sample.per_request_us(before.cpu.get(pid, {}), cpu, requests)
+            for pid, cpu in after.cpu.items()}
 
 
 def _model(reply: P.StatsReply, name: str) -> P.ModelStats | None:

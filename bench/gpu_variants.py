@@ -10,9 +10,11 @@ from typing import Any
 from broker import config
 
 
-def engine_config(cfg: config.Config, model: str, engine: str, package: str = "", max_batch: int = 0) -> config.Config:
+def engine_config(cfg: config.Config, model: str, engine: str, package: str = "", max_batch: int = 0,
+                  streams: int = 0) -> config.Config:
     """``cfg`` with ``model`` on ``engine``: "torch" runs the config's ONNX file, "inductor" the package at
-    ``package``; ``max_batch`` (when not 0) replaces the model's. ConfigError names what is missing."""
+    ``package``; ``max_batch`` and ``streams`` (when not 0) replace the model's. ConfigError names what is
+    missing."""
     data = config.to_dict(cfg)
     source = str(data.pop("source", ""))
     section: dict[str, Any] = dict(data["models"][model])  # type: ignore[index]
@@ -29,6 +31,8 @@ def engine_config(cfg: config.Config, model: str, engine: str, package: str = ""
     section["engine"] = engine
     if max_batch:
         section["max_batch"] = max_batch
+    if streams:
+        section["streams"] = streams
     data["models"] = {model: section}
     return config.parse(data, source or "<bench>")
 

@@ -42,6 +42,7 @@ def _child(target: Target, index: int, spec: dict[str, Any], barrier: threading.
         barrier.wait(SETUP_TIMEOUT_S)
 
     child_setup()
+    proc.name_process(f"shmb-bench-{index}")  # py-spy and top find a client by this name
     try:
         out = target(spec, sync)
     except BaseException as exc:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import logging
 import signal
 import sys
@@ -20,12 +20,16 @@ def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library this process already has loaded (no ``find_library``: it may spawn ``ldconfig``)."""
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
 def _prctl(option: int, arg: int | bytes) -> None:
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    libc.prctl(option, arg, 0, 0, 0)
+    libc = _libc()
+    if libc is not None:
+        libc.prctl(option, arg, 0, 0, 0)
 
 
 def name_process(name: str) -> None:
@@ -33,6 +37,11 @@ def name_process(name: str) -> None:
     import multiprocessing
 
     multiprocessing.current_process().name = name
+    _prctl(PR_SET_NAME, name.encode()[:15])
+
+
+def name_thread(name: str) -> None:
+    """Name the calling thread as the kernel shows it (``top -H``, ``/proc/PID/task/TID/comm``)."""
     _prctl(PR_SET_NAME, name.encode()[:15])
 
 

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 
+from broker import proc
 from broker import protocol as P
 from gpu_worker import cuda
 from gpu_worker.batcher import Batcher, Take
@@ -30,7 +31,9 @@ from gpu_worker.streams import CopyPlan, StreamSlot, probe_batched_copies
 
 log = logging.getLogger(__name__)
 
-STAGES = ("queue", "h2d", "compute", "d2h")
+# per request: queue; per batch: h2d, compute, d2h (CUDA events), answer (host: from the batch's end on the
+# device, as far as launch time plus its event-timed stages tells, to its last DONE sent)
+STAGES = ("queue", "h2d", "compute", "d2h", "answer")
 POLL_S = 0.5  # how often a waiting runner looks at its stop flag
 BATCHED_COPIES = False  # until warm_up has measured which way of issuing copies costs this thread less
 
@@ -116,6 +119,7 @@ class PipelineRunner(BatchRunner):
 
     # -- runner thread -------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        proc.name_thread(self._thread.name)
         cuda.set_device(self.device)  # the current device is per thread
         while not self._stop.is_set():
             try:
@@ -142,6 +146,7 @@ class PipelineRunner(BatchRunner):
             self._abandon(slot, works, exc)
             return
         slot.works = works
+        slot.launched = now
         self.counters.batch(slot.rows)
         self._launched.put(slot)
 
@@ -177,6 +182,7 @@ class PipelineRunner(BatchRunner):
 
     # -- completion thread ---------------------------------------------------------------------------------
     def _complete_loop(self) -> None:
+        proc.name_thread(self._completer.name)
         cuda.set_device(self.device)
         while True:
             slot = self._launched.get()  # (7) in launch order
@@ -190,7 +196,7 @@ class PipelineRunner(BatchRunner):
                 self._finished(slot)
                 continue
             complete_ok(self.codec, self.counters, works)  # answers first, statistics after
-            self._record_stages(slot)
+            self._record_stages(slot)  # reads the clock for "answer": right after the DONEs
             self._finished(slot)
 
     def _record_stages(self, slot: StreamSlot) -> None:
@@ -202,3 +208,4 @@ class PipelineRunner(BatchRunner):
         self.stages["h2d"].add(h2d * 1e3)
         self.stages["compute"].add(compute * 1e3)
         self.stages["d2h"].add(d2h * 1e3)
+        self.stages["answer"].add(max(0.0, (time.monotonic() - slot.launched) * 1e6 - (h2d + compute + d2h) * 1e3))

@@ -20,6 +20,7 @@ from typing import cast
 
 import numpy as np
 
+from broker import proc
 from broker import protocol as P
 from broker.protocol import SlotState
 from gpu_worker.batcher import Batcher, Take
@@ -156,6 +157,7 @@ class BatchRunner:
 
     def _take_loop(self, run: Callable[[Take[Work]], None], lock: AbstractContextManager[object]) -> None:
         """Until stop: (1) take a due batch, then ``run`` it holding ``lock``."""
+        proc.name_thread(threading.current_thread().name)
         while not self._stop.is_set():
             take = self.batcher.take(timeout=0.5)  # (1)
             if take is not None:

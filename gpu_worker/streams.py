@@ -39,6 +39,7 @@ class StreamSlot:
         self.start, self.copied_in, self.computed, self.end = self.events
         self.works: list[Work] = []
         self.rows = 0
+        self.launched = 0.0  # time.monotonic() of the last launch
 
     @property
     def ctx(self) -> DeviceContext:

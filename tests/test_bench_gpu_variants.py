@@ -16,12 +16,13 @@ def test_each_engine_config_reads_back_equal(tmp_path: Path) -> None:
     cfg = config.load(DEFAULT_CONFIG)
     package = tmp_path / "nsfw.fp16.inductor.pt2"
     for engine, path in (("torch", cfg.model_path(MODEL)), ("inductor", str(package))):
-        variant = gpu_variants.engine_config(cfg, MODEL, engine, str(package), max_batch=128)
+        variant = gpu_variants.engine_config(cfg, MODEL, engine, str(package), max_batch=128, streams=5)
         back = config.load(gpu_variants.write(variant, tmp_path / f"{engine}.toml"))
         assert back.models[MODEL].engine == engine
         assert back.model_path(MODEL) == path
         assert back.models[MODEL].max_batch == 128
-        assert back.models[MODEL].streams == cfg.models[MODEL].streams
+        assert back.models[MODEL].streams == 5
+        assert back.models[MODEL].max_queue_delay_us == cfg.models[MODEL].max_queue_delay_us
         assert back.worker.devices == cfg.worker.devices
         assert back.broker.worker_start_timeout_ms == cfg.broker.worker_start_timeout_ms
 
@@ -37,9 +38,10 @@ def test_a_column_without_its_model_file_names_the_option() -> None:
 
 def test_targets_compare_each_engine_with_its_own_best_batch() -> None:
     limit = {"items_per_s": 40_000.0, "max_batch_ms": 0.7, "concurrent_streams": {"items_per_s": 50_000.0}}
-    broker = {"per_s": 36_000.0, "gpu_busy_pct": 95.0, "latency": {"p99_us": 5_000.0}, "max_queue_delay_ms": 1.0}
+    broker = {"per_s": 36_000.0, "gpu_busy_pct": 95.0, "latency": {"p99_us": 3_500.0}, "max_queue_delay_ms": 1.0}
     t = gpu_report.targets({"limit": limit, "broker": broker}, {"per_s": 300.0})
     assert t["c_over_a"]["value"] == 0.9 and t["c_over_a"]["pass"]
     assert t["c_over_b"]["value"] == 120.0 and t["c_over_b"]["pass"]
-    assert t["p99_ms_c"]["bound_ms"] == 6.8 and t["p99_ms_c"]["pass"]
+    assert t["p99_ms_c"]["bound_ms"] == 3.8 and t["p99_ms_c"]["pass"]  # 4 x 0.7 ms + the 1 ms delay
+    assert not gpu_report.targets({"limit": limit, "broker": {**broker, "per_s": 35_000.0}})["c_over_a"]["pass"]
     assert gpu_report.targets({"limit": limit}, None)["c_over_a"]["value"] is None

@@ -59,12 +59,25 @@ class GraphedEngine(Protocol):
         ...
 
     def prepared_sizes(self, max_batch: int, wanted: Sequence[int] | None) -> list[int]:
-        """The batch sizes a slot warms and captures, the largest covering ``max_batch`` (and ``wanted``)."""
+        """The batch sizes a slot warms and captures, the largest covering ``max_batch`` (and ``wanted``); a batch
+        runs in the smallest of them that holds its rows."""
         ...
 
-    def size_for(self, rows: int) -> int:
-        """The prepared size that runs ``rows`` rows (rows itself, or the smallest bucket that holds them)."""
-        ...
+
+def graph_ladder(max_batch: int) -> list[int]:
+    """Sizes to capture for a model that runs any batch (eager, or a dynamic package): 1 to 8, then four even
+    steps per doubling (10, 12, 14, 16, 20, ...), and ``max_batch``; a batch pads to the next size, at most a
+    quarter more rows.
+
+    Why not every size: each captured graph keeps its own memory, about 190 MB per size for open-nsfw, so
+    256 sizes on 4 stream slots do not fit an H200 (bench/RESULTS.md, "Graph sizes").
+    """
+    sizes = set(range(1, 9))
+    base = 8
+    while base < max_batch:
+        sizes.update(base + base // 4 * i for i in range(1, 5))
+        base *= 2
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
 class GraphedContext:
@@ -85,7 +98,7 @@ class GraphedContext:
         self.index = index
         self.max_batch = max_batch
         self._sizes = engine.prepared_sizes(max_batch, sizes)
-        self._size_of = {rows: engine.size_for(rows) for rows in range(1, max_batch + 1)}
+        self._size_of = {rows: min(s for s in self._sizes if s >= rows) for rows in range(1, max_batch + 1)}
         self._body_fn = engine.bind(index)
         dev = torch.device("cuda", engine.device)
         self._stream = torch.cuda.ExternalStream(stream, device=dev)

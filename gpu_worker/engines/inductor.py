@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from gpu_worker.engines.base import EngineError
-from gpu_worker.engines.graphed import Body, GraphedContext, as_list, torch_dtype, torch_module
+from gpu_worker.engines.graphed import Body, GraphedContext, as_list, graph_ladder, torch_dtype, torch_module
 from gpu_worker.engines.meta import read_sidecar, specs_from_json
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,9 @@ class InductorEngine:
         return min(s for s in self._models if s >= rows)
 
     def prepared_sizes(self, max_batch: int, wanted: Sequence[int] | None) -> list[int]:
-        """Dynamic: every count up to ``max_batch`` (or ``wanted``); buckets: those that some count maps to."""
+        """Dynamic: ``graph_ladder(max_batch)`` (or ``wanted``); buckets: those that some count maps to."""
+        if self.mode == "dynamic":
+            return sorted(set(wanted)) if wanted else graph_ladder(max_batch)
         counts = sorted(set(wanted)) if wanted else list(range(1, max_batch + 1))
         return sorted({self.size_for(rows) for rows in counts})
 

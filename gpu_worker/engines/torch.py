@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from gpu_worker.engines.base import EngineError, IOSpec
-from gpu_worker.engines.graphed import Body, GraphedContext, as_list, torch_dtype, torch_module
+from gpu_worker.engines.graphed import Body, GraphedContext, as_list, graph_ladder, torch_dtype, torch_module
 from gpu_worker.engines.meta import read_sidecar, spec_from_dims, specs_from_json
 
 log = logging.getLogger(__name__)
@@ -235,11 +235,8 @@ class TorchEngine:
         return self.call_module
 
     def prepared_sizes(self, max_batch: int, wanted: Sequence[int] | None) -> list[int]:
-        """Every row count up to ``max_batch`` (or just ``wanted``) gets its own graph."""
-        return sorted(set(wanted)) if wanted else list(range(1, max_batch + 1))
-
-    def size_for(self, rows: int) -> int:
-        return rows
+        """``graph_ladder(max_batch)``, or just ``wanted``: each size gets its own graph."""
+        return sorted(set(wanted)) if wanted else graph_ladder(max_batch)
 
     def create_context(self, index: int, stream: int, max_batch: int,
                        sizes: Sequence[int] | None = None) -> GraphedContext:
