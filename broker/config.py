@@ -36,7 +36,8 @@ class BrokerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class SessionsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_slots: Annotated[int, Meta(ge=1, le=4096)] = 16
     max_slots: Annotated[int, Meta(ge=1, le=4096)] = 1024
-    default_max_items: Annotated[int, Meta(ge=1, le=4096)] = 1
+    # rows a request may have when the client does not say (0: the largest max_batch of the served models)
+    default_max_items: Annotated[int, Meta(ge=0, le=4096)] = 0
     max_session_mib: Annotated[int, Meta(ge=1, le=1 << 20)] = 4096
     # the broker refuses to start unless /dev/shm can hold this many default-size rings (broker.shm_space)
     reserve_sessions: Annotated[int, Meta(ge=0, le=1 << 20)] = 1

@@ -276,6 +276,16 @@ class ModelStats(msgspec.Struct):
     stages: dict[str, StageHistogram] = msgspec.field(default_factory=dict)
 
 
+class DropReason:
+    """The keys of ``WorkerStats.dropped``: why a worker dropped a SUBMIT, or one entry of it, without an answer."""
+
+    MALFORMED = "malformed"  # not a decodable SUBMIT (PROTOCOL 6, M1-M5); counted per message
+    UNKNOWN_SESSION = "unknown_session"  # M6: no such session on this worker; per message
+    WRONG_TOKEN = "wrong_token"  # M6: the token is not the session's; per message
+    DETACHING = "detaching"  # M6: the session is closing; per message
+    LATE_HINTED = "late_hinted"  # an entry for a request taken from its hint long ago (PROTOCOL 4.2); per entry
+
+
 class WorkerStats(msgspec.Struct):
     worker_id: int
     pid: int
@@ -283,6 +293,8 @@ class WorkerStats(msgspec.Struct):
     models: list[ModelStats]
     in_flight: int = 0  # requests accepted and not yet answered, over all models (slots the worker holds)
     device: str = ""  # "cpu" or the GPU ordinal, as configured
+    # SUBMITs dropped without an answer since the worker started, by DropReason; absent from an older peer
+    dropped: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class StatsReply(msgspec.Struct, frozen=True):

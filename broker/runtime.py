@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -25,17 +26,42 @@ def resolve(configured: str = "", server: bool = False) -> Path:
     The client and the broker call this alike, so both find the same sockets without being told. The
     broker needs to write in /run/shmbroker; a client (of the broker's group, say) only to enter it.
     """
+    return resolve_why(configured, server)[0]
+
+
+def resolve_why(configured: str = "", server: bool = False) -> tuple[Path, str]:
+    """``resolve``'s directory, and how it was chosen, in words for an error message."""
     env = os.environ.get(ENV_VAR, "")
     if env:
-        return Path(env)
+        return Path(env), f"from ${ENV_VAR}"
     if configured:
-        return Path(configured)
+        return Path(configured), "as configured"
     if SYSTEM_DIR.is_dir() and os.access(SYSTEM_DIR, (os.W_OK | os.X_OK) if server else os.X_OK):
-        return SYSTEM_DIR
+        return SYSTEM_DIR, f"{SYSTEM_DIR} exists, and ${ENV_VAR} is not set"
     xdg = os.environ.get("XDG_RUNTIME_DIR", "")
     if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
-        return Path(xdg) / "shmbroker"
-    return Path(tempfile.gettempdir()) / f"shmbroker-{os.getuid()}"
+        return Path(xdg) / "shmbroker", f"under $XDG_RUNTIME_DIR, as neither ${ENV_VAR} nor {SYSTEM_DIR} is there"
+    return (Path(tempfile.gettempdir()) / f"shmbroker-{os.getuid()}",
+            f"this user's fallback, as neither ${ENV_VAR}, {SYSTEM_DIR} nor $XDG_RUNTIME_DIR is there")
+
+
+def broker_absent(runtime_dir: Path) -> bool:
+    """True when no process listens on the broker's control socket: no socket file, or one that refuses
+    connections (left by a broker that died). False when one listens, or when this user may not tell (the
+    handshake then says why)."""
+    path = str(runtime_dir / CONTROL_SOCKET)
+    if len(path.encode()) >= 108:  # sun_path's limit: leave it to the handshake, which reports the failure
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
+        return True
+    except OSError:  # EACCES and the like: not ours to judge here
+        return False
+    finally:
+        probe.close()
+    return False
 
 
 def endpoint(runtime_dir: Path, name: str) -> str:

@@ -321,10 +321,9 @@ class Broker:
             if self._fatal:
                 log.error("%s", self._fatal)
                 return
-        w.phase = WorkerPhase.READY
+        self.supervisor.ready(w)
         w.endpoint = msg.endpoint
         w.models = msg.models
-        w.reason = ""
         if not self.models:
             self.models = list(msg.models)
         elif [m.name for m in msg.models] != [m.name for m in self.models]:

@@ -71,6 +71,13 @@ def item_bytes(spec: P.TensorSpec) -> int:
     return math.prod(spec.shape[1:]) * np.dtype(spec.dtype).itemsize
 
 
+def session_rows(asked: int, default: int, models: list[P.ModelInfo]) -> int:
+    """Rows a request of a session may have: what the client asked (0: ``default``; 0 again: the largest
+    ``max_batch``), never above the largest ``max_batch``."""
+    largest = max(m.max_batch for m in models)
+    return min(asked or default or largest, largest)
+
+
 def capacities(models: list[P.ModelInfo], max_items: int) -> tuple[int, int]:
     """Bytes of the input and output regions a slot needs to hold a request of up to ``max_items`` rows."""
     in_cap = out_cap = 0
@@ -101,10 +108,10 @@ class SessionTable:
         if not 1 <= slots <= sc.max_slots:
             raise SessionError("BAD_HELLO", f"HELLO.slots: expected 1..{sc.max_slots} (sessions.max_slots), "
                                             f"got {slots}")
-        largest = max(m.max_batch for m in models)
-        max_items = min(hello.max_items or sc.default_max_items, largest)
-        if max_items < 1:
-            raise SessionError("BAD_HELLO", f"HELLO.max_items: expected >= 1, got {hello.max_items}")
+        if hello.max_items < 0:
+            raise SessionError("BAD_HELLO", f"HELLO.max_items: expected >= 0 (0: the broker's default), got "
+                                            f"{hello.max_items}")
+        max_items = session_rows(hello.max_items, sc.default_max_items, models)
         in_cap, out_cap = capacities(models, max_items)
         sid = self._next_id
         while sid in self.by_id:  # after 2**32 sessions the ids wrap; never reuse a live one

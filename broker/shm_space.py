@@ -14,13 +14,12 @@ import os
 from broker import protocol as P
 from broker.config import Config
 from broker.ring import SHM_DIR, RingLayout
-from broker.sessions import capacities
+from broker.sessions import capacities, session_rows
 
 
 def ring_bytes(cfg: Config, models: list[P.ModelInfo]) -> int:
     """Bytes of one ring of the configured default size (``default_slots`` x ``default_max_items`` rows)."""
-    largest = max(m.max_batch for m in models)
-    in_cap, out_cap = capacities(models, min(cfg.sessions.default_max_items, largest))
+    in_cap, out_cap = capacities(models, session_rows(0, cfg.sessions.default_max_items, models))
     return RingLayout(0, cfg.sessions.default_slots, in_cap, out_cap).total_bytes
 
 
@@ -41,7 +40,7 @@ def check(cfg: Config, models: list[P.ModelInfo], shm_dir: str = SHM_DIR) -> str
         f"{shm_dir} has {free} bytes free, but the configuration needs {need} bytes ({mib} MiB): "
         f"sessions.reserve_sessions = {cfg.sessions.reserve_sessions} ring(s) of {one} bytes "
         f"(sessions.default_slots = {cfg.sessions.default_slots} slots sized for "
-        f"sessions.default_max_items = {cfg.sessions.default_max_items} rows of models "
+        f"sessions.default_max_items = {session_rows(0, cfg.sessions.default_max_items, models)} rows of models "
         f"{', '.join(m.name for m in models)}). Enlarge {shm_dir}: Docker `--shm-size={mib + 64}m` "
         f"(Kubernetes: an emptyDir with medium Memory and sizeLimit); on a host, the size= option of its tmpfs "
         f"mount (`systemctl edit dev-shm.mount`: [Mount] Options=size=..., or /etc/fstab); or lower those "

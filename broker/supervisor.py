@@ -23,6 +23,11 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0
 
 
+class StartupFailed(RuntimeError):
+    """A worker failed before it was ever ready: serve stops (a bad model path, no such GPU) instead of
+    restarting it forever; the message names the worker, its device and the reason."""
+
+
 class WorkerPhase(enum.Enum):
     STARTING = 1
     READY = 2
@@ -43,6 +48,11 @@ class Launch(Protocol):
 
     @property
     def pid(self) -> int: ...
+
+
+def _exit_code(launch: Launch) -> str:
+    code = getattr(launch, "returncode", None)
+    return f" with code {code}" if code is not None else ""
 
 
 class ProcessLaunch:
@@ -126,10 +136,12 @@ class WorkerSlot:
     restart_at: float = 0.0
     started_at: float = 0.0
     reason: str = ""
+    ever_ready: bool = False  # a worker that fails before its first READY stops the broker (StartupFailed)
 
 
 class Supervisor:
-    """Keeps one worker per device running: a dead one is restarted after ``restart_backoff_ms``."""
+    """Keeps one worker per device running: a dead one is restarted after ``restart_backoff_ms``, once it has
+    been ready; one that dies before its first READY raises StartupFailed."""
 
     def __init__(self, cfg: Config, runtime_dir: Path) -> None:
         self.cfg = cfg
@@ -149,7 +161,9 @@ class Supervisor:
         log.info("worker %d (%s) started, pid %d", w.worker_id, w.device, w.launch.pid)
 
     def check(self, now: float) -> list[WorkerSlot]:
-        """Restart workers whose backoff is over; return those found dead since the last call."""
+        """Restart workers whose backoff is over; return those found dead since the last call.
+
+        Raises StartupFailed for a worker that died before it was ever ready."""
         died = []
         start_timeout = self.cfg.broker.worker_start_timeout_ms / 1e3
         for w in self.workers:
@@ -159,11 +173,14 @@ class Supervisor:
                     self._start(w)
                 continue
             if w.launch is not None and not w.launch.alive():
+                reason = w.reason or f"the worker exited{_exit_code(w.launch)}"
+                if not w.ever_ready:
+                    raise StartupFailed(f"worker {w.worker_id} (device {w.device}) failed at start-up: {reason}")
                 died.append(w)
-                self._mark_down(w, now, w.reason or "the worker process exited")
+                self._mark_down(w, now, reason)
             elif w.phase is WorkerPhase.STARTING and now - w.started_at > start_timeout and w.launch is not None:
-                log.error("worker %d not ready after %.0f s (broker.worker_start_timeout_ms); killing it",
-                          w.worker_id, start_timeout)
+                w.reason = f"not ready after {start_timeout:.0f} s (raise broker.worker_start_timeout_ms)"
+                log.error("worker %d %s; killing it", w.worker_id, w.reason)
                 w.launch.stop(kill=True)
         return died
 
@@ -177,6 +194,12 @@ class Supervisor:
         w.identity = b""
         w.restart_at = now + backoff
         log.warning("worker %d down (%s); restart in %.1f s", w.worker_id, reason, backoff)
+
+    def ready(self, w: WorkerSlot) -> None:
+        """``w`` said READY: from now on its deaths are restarted."""
+        w.phase = WorkerPhase.READY
+        w.reason = ""
+        w.ever_ready = True
 
     def ready_workers(self) -> list[WorkerSlot]:
         return [w for w in self.workers if w.phase is WorkerPhase.READY]

@@ -4,7 +4,9 @@ from client.aio import AsyncClient
 from client.client import Client
 from client.errors import (
     BadInput,
+    ClientClosed,
     HandshakeError,
+    NoBroker,
     Overloaded,
     RequestError,
     RequestTimeout,
@@ -18,7 +20,9 @@ __all__ = [
     "AsyncClient",
     "BadInput",
     "Client",
+    "ClientClosed",
     "HandshakeError",
+    "NoBroker",
     "Overloaded",
     "Request",
     "RequestError",

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from client.client import Client, Inputs, Outputs
+from client.lifecycle import CLOSE_WAIT_S
 
 
 class AsyncClient:
@@ -45,8 +46,9 @@ class AsyncClient:
         self._flush_scheduled = False
         self._client._flush_all()
 
-    async def close(self) -> None:
-        self._client.close()
+    async def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """``Client.close`` off the event loop: requests in flight get up to ``timeout`` s to be answered."""
+        await asyncio.get_running_loop().run_in_executor(None, self._client.close, timeout)
 
     async def __aenter__(self) -> AsyncClient:
         return self

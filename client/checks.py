@@ -26,14 +26,27 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=lambda: FORKS.__setitem__(0, FORKS[0] + 1))
 
 
-def check_rows(plan: ModelPlan, rows: int, field: str, max_items: int) -> None:
-    limit = min(plan.info.max_batch, max_items)
-    if not 1 <= rows <= limit:
-        raise BadInput(f"{field}: expected 1..{limit} rows (model max_batch {plan.info.max_batch}, this "
-                       f"session's max_items {max_items}; see Client(max_items=...)), got {rows}", "BAD_SHAPE")
+MAX_ITEMS_SETTING = "Client(max_items=...)"
 
 
-def checked_arrays(plan: ModelPlan, inputs: np.ndarray | Mapping[str, np.ndarray], max_items: int) -> list[np.ndarray]:
+def check_rows(plan: ModelPlan, rows: int, field: str, max_items: int, setting: str = MAX_ITEMS_SETTING) -> None:
+    """BadInput (BAD_SHAPE) unless 1 <= rows <= both limits; the message names the one that binds and, for the
+    session's, ``setting``: how the caller's interface raises it."""
+    if 1 <= rows <= min(plan.info.max_batch, max_items):
+        return
+    if rows > plan.info.max_batch:
+        why = f"model {plan.info.name!r} has max_batch {plan.info.max_batch}"
+    elif rows >= 1:
+        why = (f"this session takes at most {max_items} rows a request: raise it with {setting}, or the broker's "
+               f"[sessions] default_max_items")
+    else:
+        why = "a request has at least one row"
+    raise BadInput(f"{field}: expected 1..{min(plan.info.max_batch, max_items)} rows ({why}), got {rows}",
+                   "BAD_SHAPE")
+
+
+def checked_arrays(plan: ModelPlan, inputs: np.ndarray | Mapping[str, np.ndarray], max_items: int,
+                   setting: str = MAX_ITEMS_SETTING) -> list[np.ndarray]:
     """The inputs as arrays in model order, each checked against the model; BadInput names the first fault."""
     specs = plan.info.inputs
     if isinstance(inputs, np.ndarray):
@@ -56,6 +69,6 @@ def checked_arrays(plan: ModelPlan, inputs: np.ndarray | Mapping[str, np.ndarray
         if out and arr.shape[0] != out[0].shape[0]:
             raise BadInput(f"inputs[{spec.name!r}].shape[0]: {arr.shape[0]} rows, first input has "
                            f"{out[0].shape[0]}", "BAD_SHAPE")
-        check_rows(plan, arr.shape[0], f"inputs[{spec.name!r}].shape[0]", max_items)
+        check_rows(plan, arr.shape[0], f"inputs[{spec.name!r}].shape[0]", max_items, setting)
         out.append(arr)
     return out

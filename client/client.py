@@ -19,18 +19,17 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 import zmq
 
 from broker import protocol as P
-from broker import runtime
 from broker.ring import RingError
 from broker.spin import SpinPolicy
-from client.checks import FORKS, check_rows, check_timeout, checked_arrays
+from client.checks import FORKS, MAX_ITEMS_SETTING, check_rows, check_timeout, checked_arrays
 from client.errors import (
+    ClientClosed,
     Overloaded,
     RequestError,
     RequestTimeout,
@@ -44,7 +43,7 @@ from client.lead import ReceiveRole
 from client.lifecycle import Lifecycle
 from client.receiving import IO_SPIN_REACH, SLOT_ANSWERS, Pending, Receiving
 from client.request import Request
-from client.session import GRACE_S, Link, ModelPlan, SlotViews, control_socket, handshake
+from client.session import GRACE_S, Link, ModelPlan, SlotViews, control_socket, find_broker, handshake
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,10 @@ class _Cork(threading.local):
 class Client(Receiving, Lifecycle):
     """One session with the broker: a ring of slots, links to the workers, an IO thread.
 
-    ``spin_us``: how long a thread that waits for answers (a caller in ``infer()``, the IO thread while
+    ``slots``: requests in flight at once (0: the broker's ``[sessions] default_slots``). ``max_items``: rows a
+    request may have, each slot sized for them (0: the broker's ``[sessions] default_max_items``, by default
+    the largest ``max_batch`` of the served models); above every ``max_batch`` it is lowered to the largest,
+    with a warning. ``spin_us``: how long a thread that waits for answers (a caller in ``infer()``, the IO thread while
     requests are in flight) polls without sleeping, and only while most recent answers came back that fast
     (within four windows for the IO thread; broker.spin, client.receiving.IO_SPIN_REACH); 0: never.
     """
@@ -73,7 +75,7 @@ class Client(Receiving, Lifecycle):
         self, runtime_dir: str | os.PathLike[str] | None = None, *, slots: int = 0, max_items: int = 0,
         connect_timeout: float = 10.0, name: str = "", spin_us: int = 1000,
     ) -> None:
-        self.runtime_dir = Path(runtime_dir) if runtime_dir is not None else runtime.resolve()
+        self.runtime_dir = find_broker(runtime_dir, "Client(runtime_dir=...)")
         self._pid = os.getpid()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._ctl = control_socket(self._ctx, self.runtime_dir)
@@ -83,7 +85,12 @@ class Client(Receiving, Lifecycle):
             self._ctx.destroy(linger=0)
             raise
         self.session_id = hs.setup.session_id
-        self.max_items = hs.setup.max_items
+        self.max_items = hs.setup.max_items  # rows a request may have: what the broker granted
+        if max_items > self.max_items:
+            log.warning("Client(max_items=%d) is above every served model's max_batch: the session takes %d rows "
+                        "a request", max_items, self.max_items)
+        # how this client's user raises max_items, named by the BAD_SHAPE error (a front-end names its own option)
+        self.max_items_setting = MAX_ITEMS_SETTING
         self._token = hs.ready.token
         self.segment = hs.segment
         self.models = {m.name: ModelPlan.of(m) for m in hs.setup.models}
@@ -102,6 +109,8 @@ class Client(Receiving, Lifecycle):
         self._ids = itertools.count(1)
         self._cork = _Cork()
         self._stop = threading.Event()
+        self._open = True  # False once close() began
+        self._drained: threading.Event | None = None
         self._wake_addr = f"inproc://wake-{id(self)}"
         self._wake_rx = self._ctx.socket(zmq.PAIR)
         self._wake_rx.bind(self._wake_addr)
@@ -206,7 +215,7 @@ class Client(Receiving, Lifecycle):
         """
         plan = self._plan(model)
         check_timeout(timeout)
-        check_rows(plan, rows, "rows", self.max_items)
+        check_rows(plan, rows, "rows", self.max_items, self.max_items_setting)
         slot = self._acquire(timeout)
         req = Request(self, plan, slot, rows, timeout)
         try:
@@ -233,11 +242,11 @@ class Client(Receiving, Lifecycle):
                 and inputs.shape[1:] == plan.in_item_shapes[0] and 1 <= inputs.shape[0] <= self.max_items
                 and inputs.shape[0] <= plan.info.max_batch):
             return [inputs]  # the common case, checked in one go; anything else gets the checks that explain
-        return checked_arrays(plan, inputs, self.max_items)
+        return checked_arrays(plan, inputs, self.max_items, self.max_items_setting)
 
     def _acquire(self, timeout: float | None) -> int:
         """A free slot. list.pop is atomic under the GIL, so the common case takes no lock."""
-        if not self._stop.is_set():
+        if self._open:
             try:
                 return self._free.pop()
             except IndexError:
@@ -247,8 +256,8 @@ class Client(Receiving, Lifecycle):
     def _wait_for_slot(self, timeout: float | None) -> int:
         end = None if timeout is None else time.monotonic() + timeout
         while True:
-            if self._stop.is_set():
-                raise WorkerDied("the client is closed")
+            if not self._open:
+                raise ClientClosed("the client is closed")
             try:
                 return self._free.pop()
             except IndexError:

@@ -26,6 +26,18 @@ class HandshakeError(ShmBrokerError):
     code = "HANDSHAKE"
 
 
+class NoBroker(HandshakeError):
+    """No broker listens on the runtime directory; the message names it and how it was chosen."""
+
+    code = "NO_BROKER"
+
+
+class ClientClosed(ShmBrokerError):
+    """The client was closed: a request made after ``close()`` began, or one still unanswered when its wait ended."""
+
+    code = "CLIENT_CLOSED"
+
+
 class RequestError(ShmBrokerError):
     """One request failed; other requests and the session are unaffected."""
 

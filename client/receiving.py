@@ -68,6 +68,7 @@ class Receiving:
     _links_lock: threading.Lock
     _links_changed: bool
     _pending: dict[int, Pending]
+    _drained: threading.Event | None
     _slot_cond: threading.Condition
     _cork: Any  # threading.local: ``on`` while callbacks' submits are held back to leave together
     _io: threading.Thread
@@ -76,7 +77,8 @@ class Receiving:
     _flush_all: Callable[[], None]
 
     def _io_loop(self) -> None:
-        """(1) poll, (2) DONEs from workers, unless a caller receives them, (3) broker notices, (4) links up."""
+        """(1) poll, (2) DONEs from workers, unless a caller receives them, (3) broker notices, (4) links up,
+        (5) while close() waits, tell it once nothing is in flight."""
         pollers: tuple[zmq.Poller, zmq.Poller] | None = None
         links: tuple[Link, ...] = ()
         spin = self._io_spin
@@ -115,8 +117,14 @@ class Receiving:
                     with contextlib.suppress(zmq.Again):
                         while True:
                             self._wake_rx.recv(zmq.NOBLOCK)
+                if self._drained is not None and not self._pending:
+                    self._drained.set()  # (5) close() waits for this
         except zmq.ContextTerminated:
             return
+        except zmq.ZMQError:
+            if self._stop.is_set():  # a callback closed the client: its sockets are gone under this loop
+                return
+            raise
 
     def _poll(self, poller: zmq.Poller) -> dict[Any, int]:
         """The IO thread's poll. Right after it handled answers, while more are in flight and most recent
@@ -302,11 +310,11 @@ class Receiving:
                 if left <= 0 or not link.monitor.poll(int(left * 1000)):
                     break
 
-    def _fail_all(self, why: str) -> None:
+    def _fail_all(self, err: ShmBrokerError) -> None:
         for link in self._snapshot_links():
             for slot, p in list(self._pending.items()):
                 if p.worker_id == link.worker_id:
-                    self._complete(link, WorkerDied(why), slot)
+                    self._complete(link, err, slot)
 
     def _wake(self) -> None:
         with self._wake_lock, contextlib.suppress(zmq.ZMQError):

@@ -18,7 +18,7 @@ import zmq
 from broker import liveness, runtime
 from broker import protocol as P
 from broker.ring import RingLayout, Segment, pack_offsets
-from client.errors import HandshakeError
+from client.errors import HandshakeError, NoBroker
 
 MONITOR_EVENT = struct.Struct("=H")  # a ZeroMQ monitor message starts with the event id, native u16
 GRACE_S = 2.0  # how long past its deadline a request may stay unanswered before the client gives up
@@ -198,6 +198,16 @@ def handshake(ctl: zmq.Socket[bytes], slots: int, max_items: int, name: str, tim
         segment.close()
         raise
     return Handshake(setup, ready, segment)
+
+
+def find_broker(runtime_dir: str | os.PathLike[str] | None, given_as: str) -> Path:
+    """The runtime directory to use (``runtime_dir``, else ``runtime.resolve()``); NoBroker at once when no
+    broker listens there, naming the directory and how it was chosen (``given_as`` when it was given)."""
+    rd, how = (Path(runtime_dir), f"given as {given_as}") if runtime_dir is not None else runtime.resolve_why()
+    if runtime.broker_absent(rd):
+        raise NoBroker(f"no broker serves the runtime directory {rd} ({how}): start `shmbroker serve`, or name "
+                       f"the broker's directory with ${runtime.ENV_VAR} or {given_as}")
+    return rd
 
 
 def control_socket(ctx: zmq.Context[zmq.Socket[bytes]], runtime_dir: Path) -> zmq.Socket[bytes]:

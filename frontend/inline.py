@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 INLINE_REQUEST = 40  # kinds of the inline socket only; the envelope is the protocol's <u16 version, u16 kind>
 INLINE_REPLY = 41
 INLINE_MODELS = 42  # body {}: what the gateway serves
-INLINE_MODELS_REPLY = 43  # body {"models": [ModelInfo]}, the same list SETUP carries
+INLINE_MODELS_REPLY = 43  # body InlineModelsReply: the models SETUP carries and the gateway's rows limit
 SOCKET_NAME = "inline.sock"
+MAX_ITEMS_SETTING = "shmbroker inline --max-items"  # what a BAD_SHAPE answer over the session's rows names
 
 
 class InlineTensor(msgspec.Struct, frozen=True):
@@ -56,16 +57,45 @@ class InlineReply(msgspec.Struct, frozen=True):
     outputs: list[InlineTensor] = []
 
 
+class InlineModelsReply(msgspec.Struct, frozen=True):
+    """What the gateway serves: ``max_items`` is its session's rows limit, so a request may have
+    ``min(max_items, model.max_batch)`` rows."""
+
+    models: list[P.ModelInfo]
+    max_items: int
+
+
+class _RequestId(msgspec.Struct):
+    """The id alone, read from a header that fails InlineRequest's schema, so that the answer still names it."""
+
+    id: int
+
+
 _DECODE = msgspec.json.Decoder(InlineRequest)
+_DECODE_ID = msgspec.json.Decoder(_RequestId)
 _ENCODE = msgspec.json.Encoder()
 
 
 class BadMessage(ValueError):
-    """An inline request that does not follow section 10; the text names the part."""
+    """An inline request that does not follow section 10; the text names the part, ``rid`` is the request's id
+    (0 when none could be read)."""
+
+    def __init__(self, message: str, rid: int = 0) -> None:
+        super().__init__(message)
+        self.rid = rid
+
+
+def _header_id(header: bytes) -> int:
+    """The header's integer ``id`` when it has one, even if the rest of it is wrong; else 0."""
+    try:
+        return _DECODE_ID.decode(header).id
+    except msgspec.DecodeError:
+        return 0
 
 
 def decode_request(frames: list[bytes]) -> tuple[InlineRequest, dict[str, np.ndarray]]:
-    """The header and the input arrays (views of the frames, no copy); BadMessage names what is wrong."""
+    """The header and the input arrays (views of the frames, no copy); BadMessage names what is wrong and, once
+    the header's id could be read, carries it."""
     if len(frames) < 2 or len(frames[0]) != P.ENVELOPE.size:
         raise BadMessage(f"expected [envelope (4 bytes), JSON header, one frame per input], got {len(frames)} frames")
     version, kind = P.ENVELOPE.unpack(frames[0])
@@ -74,20 +104,21 @@ def decode_request(frames: list[bytes]) -> tuple[InlineRequest, dict[str, np.nda
     try:
         req = _DECODE.decode(frames[1])
     except msgspec.DecodeError as exc:
-        raise BadMessage(f"header: {exc}") from None
+        raise BadMessage(f"header: {exc}", _header_id(frames[1])) from None
     data = frames[2:]
     if len(data) != len(req.inputs):
-        raise BadMessage(f"header names {len(req.inputs)} inputs, {len(data)} data frames follow")
+        raise BadMessage(f"header names {len(req.inputs)} inputs, {len(data)} data frames follow", req.id)
     arrays: dict[str, np.ndarray] = {}
     for i, (t, buf) in enumerate(zip(req.inputs, data, strict=True)):
         try:
             dt = np.dtype(t.dtype)
             P.dtype_code(dt)
         except (TypeError, P.ProtocolError):
-            raise BadMessage(f"inputs[{i}].dtype: expected a numpy name such as 'float32', got {t.dtype!r}") from None
+            raise BadMessage(f"inputs[{i}].dtype: expected a numpy name such as 'float32', got {t.dtype!r}",
+                             req.id) from None
         if any(d < 0 for d in t.shape) or len(buf) != math.prod(t.shape) * dt.itemsize:
             raise BadMessage(f"inputs[{i}]: data frame {len(buf)} bytes, expected {math.prod(t.shape)} x "
-                             f"{dt.itemsize} for shape {t.shape}")
+                             f"{dt.itemsize} for shape {t.shape}", req.id)
         arrays[t.name] = np.frombuffer(buf, dt).reshape(t.shape)
     return req, arrays
 
@@ -108,11 +139,11 @@ class Gateway:
 
     async def handle(self, ident: bytes, frames: list[bytes]) -> None:
         if len(frames) == 2 and frames[0] == P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_MODELS):
-            models = [p.info for p in self.client.models.values()]
+            answer = InlineModelsReply([p.info for p in self.client.models.values()], self.client.client.max_items)
             await self.sock.send_multipart([ident, P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_MODELS_REPLY),
-                                            _ENCODE.encode({"models": models})])
+                                            _ENCODE.encode(answer)])
             return
-        rid = 0
+        rid = 0  # until the header is read
         try:
             req, arrays = decode_request(frames)
             rid = req.id
@@ -122,7 +153,7 @@ class Gateway:
             outs = out if isinstance(out, dict) else {plan.info.outputs[0].name: out}
             reply = reply_frames(rid, "OK", "", outs)
         except BadMessage as exc:
-            reply = reply_frames(rid, "BAD_MESSAGE", str(exc))
+            reply = reply_frames(exc.rid, "BAD_MESSAGE", str(exc))
         except ShmBrokerError as exc:
             reply = reply_frames(rid, exc.code, exc.message)
         await self.sock.send_multipart([ident, *reply], copy=False)
@@ -147,8 +178,10 @@ async def _connect(rd: Path, args: argparse.Namespace, stop: asyncio.Event) -> A
     loop = asyncio.get_running_loop()
     while not stop.is_set():
         try:
-            return await loop.run_in_executor(None, lambda: AsyncClient(
+            client = await loop.run_in_executor(None, lambda: AsyncClient(
                 rd, slots=args.slots, max_items=args.max_items, name="inline-gateway"))
+            client.client.max_items_setting = MAX_ITEMS_SETTING
+            return client
         except ShmBrokerError as exc:
             log.warning("no session with the broker on %s yet (%s); retrying", rd, exc)
             try:

@@ -15,7 +15,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--curve-clients", default="", metavar="DIR",
                     help="only the CURVE public keys in DIR (zmq.auth certificate files) may connect over TCP")
     ap.add_argument("--slots", type=int, default=0, help="ring slots, i.e. requests in flight (default: broker's)")
-    ap.add_argument("--max-items", type=int, default=0, help="rows per request (default: the broker's)")
+    ap.add_argument("--max-items", type=int, default=0,
+                    help="rows per request (default: the broker's [sessions] default_max_items); callers read it "
+                         "in INLINE_MODELS_REPLY")
     ap.add_argument("--log-level", default="INFO")
 
 

@@ -32,6 +32,7 @@ from frontend.settings import Settings
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 HEADER_LENGTH = "Inference-Header-Content-Length"
+MAX_ITEMS_SETTING = "shmbroker http --max-items"  # what a BAD_SHAPE answer over the session's rows names
 PID_HEADER = "X-Shmbroker-Frontend-Pid"  # which front-end process answered (tests check that several share a port)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -163,6 +164,7 @@ class Frontend:
                 self.client = await loop.run_in_executor(None, lambda: AsyncClient(
                     s.runtime_dir, slots=s.slots, max_items=s.max_items, connect_timeout=s.connect_timeout_s,
                     name=f"http-{os.getpid()}"))
+                self.client.client.max_items_setting = MAX_ITEMS_SETTING
                 return
             except ShmBrokerError as exc:
                 log.warning("no session with the broker on %s yet (%s); retrying", s.runtime_dir, exc)

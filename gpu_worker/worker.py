@@ -55,6 +55,9 @@ class Worker:
         self._watch: Watch | None = None  # where the spin looks for a hinted request (gpu_worker.hints)
         self._next_sweep = 0.0
         self._badlog = RateLimitedLog(log)
+        # SUBMITs dropped without an answer, by P.DropReason: STATS shows them, so a client whose requests are
+        # never answered can see why (counted on the drop paths only, never on the fast path)
+        self.dropped: dict[str, int] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._ctl = self._ctx.socket(zmq.DEALER)
         self._data = self._ctx.socket(zmq.PULL)
@@ -194,10 +197,14 @@ class Worker:
                 raise P.ProtocolError("the data socket takes only SUBMIT")
             batch = P.decode_submit(frames[1])
         except P.ProtocolError as exc:
+            self._drop(P.DropReason.MALFORMED)
             self._badlog.warning("dropped a malformed data message: %s", exc)
             return
         session = self.sessions.get(batch.session_id)
         if session is None or session.token != batch.token or session.detaching:
+            reason = (P.DropReason.UNKNOWN_SESSION if session is None else
+                      P.DropReason.WRONG_TOKEN if session.token != batch.token else P.DropReason.DETACHING)
+            self._drop(reason)
             self._badlog.warning("dropped a SUBMIT for session %d: unknown, detaching, or wrong token",
                                  batch.session_id)
             return
@@ -209,6 +216,7 @@ class Worker:
             if session.hinted.pop((req.slot, req.generation), False):
                 continue  # admitted from its hint already
             if session.late_hinted(req.slot, req.generation):
+                self._drop(P.DropReason.LATE_HINTED)
                 log.debug("session %d slot %d: late SUBMIT of generation %d, taken from its hint, dropped",
                           session.session_id, req.slot, req.generation)
                 continue
@@ -222,6 +230,10 @@ class Worker:
         if rejected:
             session.finish(freed, SlotState.FAILED, statuses, P.encode_done(P.DoneBatch(session.session_id,
                                                                                          rejected)))
+
+    def _drop(self, reason: str) -> None:
+        """Count a SUBMIT (or an entry of one) dropped without an answer; STATS reports the counts."""
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
     def _fast_submit(self, body: bytes) -> bool:
         """Admit a whole SUBMIT whose every request is canonical (see gpu_worker.codec); False: no request was
@@ -394,7 +406,8 @@ class Worker:
     def stats(self) -> P.WorkerStats:
         models = [m.runner.counters.snapshot(m.view.name, len(m.runner.batcher)) for m in self.models.values()]
         in_flight = sum(len(s.in_flight) for s in self.sessions.values())
-        return P.WorkerStats(self.worker_id, os.getpid(), self.restarts, models, in_flight, self.device)
+        return P.WorkerStats(self.worker_id, os.getpid(), self.restarts, models, in_flight, self.device,
+                             dict(self.dropped))
 
     def _send_ctl(self, msg: msgspec.Struct) -> None:
         self._ctl.send_multipart(P.encode(msg))

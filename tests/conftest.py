@@ -56,7 +56,11 @@ def arr(y: object) -> np.ndarray:
     return y
 
 
-def write_config(path: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS) -> Path:
+SESSIONS = "default_slots = 8\ndefault_max_items = 16"
+
+
+def write_config(path: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS,
+                 sessions: str = SESSIONS) -> Path:
     path.write_text(
         f"""
 [broker]
@@ -67,8 +71,7 @@ session_check_ms = 200
 log_level = "INFO"
 {extra}
 [sessions]
-default_slots = 8
-default_max_items = 16
+{sessions}
 {models}
 """
     )
@@ -143,10 +146,11 @@ class RunningBroker:
         return self.proc.wait(timeout)
 
 
-def start_broker(tmp: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS) -> RunningBroker:
+def start_broker(tmp: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS,
+                 sessions: str = SESSIONS) -> RunningBroker:
     """Start ``shmbroker serve`` and return once every model is ready (the broker's HEALTH wait, no sleeps)."""
     runtime_dir = tmp / "run"
-    cfg = write_config(tmp / "broker.toml", mode, extra, models)
+    cfg = write_config(tmp / "broker.toml", mode, extra, models, sessions)
     log_path = tmp / "broker.log"
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(runtime_dir), PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as logf:

