@@ -71,7 +71,8 @@ def snapshot(runtime_dir: Path, interval: float = 1.0, first: Sample | None = No
             entry.update(ready=mh.ready, workers_ready=mh.workers_ready, reason=mh.reason)
     for entry in out["models"].values():
         entry["latency_us"] = {k: _percentiles(h) for k, h in entry.pop("_stages").items()}
-        entry["mean_batch"] = round(entry.pop("_rows") / entry["batches"], 2) if entry["batches"] else None
+        rows = entry.pop("_rows")  # popped first: inside the conditional it stayed in the output when batches == 0
+        entry["mean_batch"] = round(rows / entry["batches"], 2) if entry["batches"] else None
     out["gpus"] = [vars(s) for s in gpu_samples(sorted({int(w["device"]) for w in out["workers"]
                                                          if str(w["device"]).isdigit()}))]
     return out

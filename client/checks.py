@@ -45,30 +45,72 @@ def check_rows(plan: ModelPlan, rows: int, field: str, max_items: int, setting: 
                    "BAD_SHAPE")
 
 
-def checked_arrays(plan: ModelPlan, inputs: np.ndarray | Mapping[str, np.ndarray], max_items: int,
+def checked_arrays(plan: ModelPlan, inputs: object, max_items: int,
                    setting: str = MAX_ITEMS_SETTING) -> list[np.ndarray]:
-    """The inputs as arrays in model order, each checked against the model; BadInput names the first fault."""
+    """The inputs (an array, or a dict of them by input name) as arrays in model order, each checked against the
+    model; BadInput names the first fault's field (``inputs`` or ``inputs['x']``) and what it expects."""
     specs = plan.info.inputs
-    if isinstance(inputs, np.ndarray):
+    if not isinstance(inputs, Mapping):
         if len(specs) != 1:
-            raise BadInput(f"model {plan.info.name!r} takes inputs {[s.name for s in specs]}; pass a dict")
-        inputs = {specs[0].name: inputs}
+            expected = ", ".join(f"{s.name!r}: {_expected(plan, k)}" for k, s in enumerate(specs))
+            raise BadInput(f"inputs: model {plan.info.name!r} takes several inputs: expected a dict {{{expected}}}, "
+                           f"got {_kind(inputs)}")
+        # Client unwraps {name: value} of a one-input model before calling here, so the value may have come in
+        # a dict: the message names both forms
+        inputs = {specs[0].name: _array(inputs, plan, 0, f"inputs (or inputs[{specs[0].name!r}])")}
     extra = set(inputs) - {s.name for s in specs}
     if extra:
-        raise BadInput(f"inputs {sorted(extra)}: model {plan.info.name!r} has no such input")
+        raise BadInput(f"inputs {sorted(extra, key=repr)}: model {plan.info.name!r} has no such input; "
+                       f"its inputs are {[s.name for s in specs]}")
     out: list[np.ndarray] = []
     for k, spec in enumerate(specs):
         if spec.name not in inputs:
-            raise BadInput(f"inputs[{spec.name!r}] is missing")
-        arr = np.asarray(inputs[spec.name])
+            raise BadInput(f"inputs[{spec.name!r}] is missing: expected {_expected(plan, k)}")
+        arr = _array(inputs[spec.name], plan, k, f"inputs[{spec.name!r}]")
         if arr.dtype != plan.in_dtypes[k]:
             raise BadInput(f"inputs[{spec.name!r}].dtype: expected {spec.dtype}, got {arr.dtype}", "BAD_DTYPE")
         if arr.ndim != len(spec.shape) or arr.shape[1:] != plan.in_item_shapes[k]:
-            raise BadInput(f"inputs[{spec.name!r}].shape: expected [N, "
-                           f"{', '.join(map(str, spec.shape[1:]))}], got {list(arr.shape)}", "BAD_SHAPE")
+            raise BadInput(f"inputs[{spec.name!r}].shape: expected {_shape(plan, k)}, got {list(arr.shape)}",
+                           "BAD_SHAPE")
         if out and arr.shape[0] != out[0].shape[0]:
             raise BadInput(f"inputs[{spec.name!r}].shape[0]: {arr.shape[0]} rows, first input has "
                            f"{out[0].shape[0]}", "BAD_SHAPE")
         check_rows(plan, arr.shape[0], f"inputs[{spec.name!r}].shape[0]", max_items, setting)
         out.append(arr)
     return out
+
+
+def _array(value: object, plan: ModelPlan, k: int, field: str) -> np.ndarray:
+    """``value`` as an array, or BadInput naming ``field``.
+
+    Lists, tuples, scalars, str and None are refused rather than converted: NumPy would guess their dtype
+    (float64 for Python floats, int64 for ints), so a list would either fail later with a dtype message that
+    does not say why, or, for a model taking float64 or int64, be accepted by a guess the caller never made.
+    An array-like with a dtype of its own (``__array__``, as a CPU torch tensor has) is converted: its dtype is
+    the caller's, and is checked as an array's would be.
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__array__") or hasattr(value, "__array_interface__"):
+        try:
+            return np.asarray(value)
+        except (TypeError, ValueError, RuntimeError) as exc:  # e.g. a GPU tensor refuses implicit conversion
+            raise BadInput(f"{field}: expected {_expected(plan, k)}; converting {_kind(value)} failed: {exc}") \
+                from None
+    hint = ""
+    if isinstance(value, list | tuple | int | float | complex):
+        hint = (f" ({_kind(value)} data is not converted: build the array with its dtype, "
+                f"np.asarray(data, np.{plan.in_dtypes[k].name}))")
+    raise BadInput(f"{field}: expected {_expected(plan, k)}, got {_kind(value)}{hint}")
+
+
+def _shape(plan: ModelPlan, k: int) -> str:
+    return f"[{', '.join(['N', *map(str, plan.in_item_shapes[k])])}]"
+
+
+def _expected(plan: ModelPlan, k: int) -> str:
+    return f"a numpy array of dtype {plan.in_dtypes[k].name} and shape {_shape(plan, k)}"
+
+
+def _kind(value: object) -> str:
+    return "None" if value is None else type(value).__name__

@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import numpy as np
 import zmq
+from zmq.utils import monitor as zmq_monitor
 
 from broker import protocol as P
 from broker.ring import RingError
@@ -42,8 +43,18 @@ from client.hintwait import HintWait
 from client.lead import ReceiveRole
 from client.lifecycle import Lifecycle
 from client.receiving import IO_SPIN_REACH, SLOT_ANSWERS, Pending, Receiving
+from client.rejoin import RETRY_S, Rejoin
 from client.request import Request
-from client.session import GRACE_S, Link, ModelPlan, SlotViews, control_socket, find_broker, handshake
+from client.session import (
+    GRACE_S,
+    Link,
+    ModelPlan,
+    SlotViews,
+    control_socket,
+    find_broker,
+    handshake,
+    rejoin_mismatch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +104,8 @@ class Client(Receiving, Lifecycle):
         self.max_items_setting = MAX_ITEMS_SETTING
         self._token = hs.ready.token
         self.segment = hs.segment
+        # what a new session after a broker restart is asked for: the same slots and rows (client.rejoin)
+        self._rejoin = Rejoin(hs.setup.n_slots, self.max_items, name, connect_timeout)
         self.models = {m.name: ModelPlan.of(m) for m in hs.setup.models}
         self._by_id = {p.info.model_id: p for p in self.models.values()}
         self._links: dict[int, Link] = {}
@@ -119,12 +132,15 @@ class Client(Receiving, Lifecycle):
         self._wake_lock = threading.Lock()
         self._role = ReceiveRole(self._wake, spin_us)
         self._io_spin = SpinPolicy(spin_us * 1000, reach=IO_SPIN_REACH)
-        self._hint_wait = HintWait(self.segment, spin_us * 1000)
+        self._spin_ns = spin_us * 1000
+        self._hint_wait = HintWait(self.segment, self._spin_ns)
         for info in hs.ready.workers:
             self._links[info.worker_id] = Link(self._ctx, info)
         self._link_list: tuple[Link, ...] = ()
         self._links_updated()
         self._wait_links_up(connect_timeout)
+        # the broker's connection dropping (it stopped) and coming back (it restarted): see _broker_link
+        self._ctl_monitor = self._ctl.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._io = threading.Thread(target=self._io_loop, name=f"shmb-client-{self.session_id}", daemon=True)
         self._io.start()
         self._finalizer = weakref.finalize(self, Client._shutdown, self._stop, self._io, self._wake)
@@ -287,10 +303,15 @@ class Client(Receiving, Lifecycle):
         """Publish the request in its slot and send its SUBMIT (coalesced); ``hint_wait`` (a caller about to
         block for the answer): no SUBMIT if a spinning worker takes the request from its hint (client.hintwait)."""
         link = self._choose(plan)
-        if link is None:
+        if link is None or views.segment is not self.segment:
             if release:
                 self._release(slot)
-            raise WorkerDied(f"no live worker serves model {plan.info.name!r} (the broker restarts dead ones)")
+            if self._rejoin.lost:
+                raise WorkerDied("the broker is gone (stopped or restarting); this client takes a new session "
+                                 "when it is back")
+            if link is None:
+                raise WorkerDied(f"no live worker serves model {plan.info.name!r} (the broker restarts dead ones)")
+            raise WorkerDied("the broker restarted while this request was written; send it again")
         rid = next(self._ids)
         gen = self._gens[slot] = (self._gens[slot] + 1) & 0xFFFF_FFFF
         timeout_us = 0 if timeout is None else max(1, int(timeout * 1e6))
@@ -354,6 +375,85 @@ class Client(Receiving, Lifecycle):
     def _links_updated(self) -> None:
         with self._links_lock:
             self._link_list = tuple(self._links.values())
+
+    # -- the broker's restarts (IO thread; client.rejoin) ----------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        """Whether the client has a session: False from the broker's loss until a new session is taken."""
+        return not self._rejoin.lost
+
+    def _broker_link(self) -> None:
+        """(5) The broker's control connection dropped (it stopped) or came back (it restarted)."""
+        while True:
+            try:
+                event = zmq_monitor.recv_monitor_message(self._ctl_monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                self._rejoin.connected = False
+                if not self._rejoin.lost:
+                    self._broker_lost()
+            elif event == zmq.EVENT_CONNECTED:
+                self._rejoin.connected = True
+                self._rejoin.retry_at = 0.0
+
+    def _broker_lost(self) -> None:
+        """Fail every request in flight, drop the links: their workers went with the broker."""
+        self._rejoin.lost = True
+        err = WorkerDied("the broker is gone (stopped or restarting); this client takes a new session when it "
+                         "is back")
+        with self._role.exclusive():
+            for slot, p in list(self._pending.items()):
+                link = self._links.get(p.worker_id)
+                if link is not None:
+                    self._complete(link, err, slot)
+                else:
+                    del self._pending[slot]
+                    p.on_done(err)
+            with self._links_lock:
+                gone, self._links = list(self._links.values()), {}
+            for link in gone:
+                link.close()
+        self._links_updated()
+        self._links_changed = True
+        log.warning("session %d: the broker is gone; waiting for it to come back", self.session_id)
+
+    def _take_session(self, now: float) -> None:
+        """While lost and the broker listens: a new session, swapped in whole, or another try after RETRY_S."""
+        r = self._rejoin
+        if not (r.lost and r.connected and now >= r.retry_at):
+            return
+        r.retry_at = now + RETRY_S
+        try:
+            hs = handshake(self._ctl, r.n_slots, r.max_items, r.name, r.timeout)
+        except (ShmBrokerError, OSError) as exc:
+            r.refused = str(exc)
+            log.warning("session lost: the broker's handshake failed (%s); trying again", exc)
+            return
+        why = rejoin_mismatch(hs.setup, r.n_slots, r.max_items, [p.info for p in self._by_id.values()])
+        if why:
+            r.refused = f"the restarted broker cannot take this client's place: {why}; make a new Client"
+            log.error("%s", r.refused)
+            with contextlib.suppress(zmq.ZMQError):
+                self._ctl.send_multipart(P.encode(P.Bye(hs.setup.session_id)))
+            hs.segment.close()
+            r.retry_at = float("inf")
+            return
+        old = self.segment
+        self.segment, self.session_id, self._token = hs.segment, hs.setup.session_id, hs.ready.token
+        for by_slot in self._views.values():  # views of the old ring: a request still writing one is refused
+            by_slot[:] = [None] * len(by_slot)
+        self._hint_wait = HintWait(self.segment, self._spin_ns)
+        with self._links_lock:
+            self._links = {info.worker_id: Link(self._ctx, info) for info in hs.ready.workers}
+        self._links_updated()
+        self._links_changed = True
+        self._wait_links_up(r.timeout)
+        r.lost, r.refused = False, ""
+        old.close()
+        with self._slot_cond:
+            self._slot_cond.notify_all()  # wait_ready() looks again
+        log.info("session %d: the broker is back; new session %d", old.layout.session_id, self.session_id)
 
     # -- completion (IO thread) -------------------------------------------------------------------------------
     def _outcome(self, plan: ModelPlan, slot: int, views: SlotViews,

@@ -25,6 +25,7 @@ from broker.ring import Segment
 from broker.spin import SpinPolicy
 from client.errors import ShmBrokerError, WorkerDied
 from client.lead import ReceiveRole
+from client.rejoin import Rejoin
 from client.session import Link, ModelPlan, RowsLayout
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,10 @@ class Receiving:
     _links_changed: bool
     _pending: dict[int, Pending]
     _drained: threading.Event | None
+    _ctl_monitor: zmq.Socket[bytes]
+    _rejoin: Rejoin
+    _broker_link: Callable[[], None]
+    _take_session: Callable[[float], None]
     _slot_cond: threading.Condition
     _cork: Any  # threading.local: ``on`` while callbacks' submits are held back to leave together
     _io: threading.Thread
@@ -78,7 +83,8 @@ class Receiving:
 
     def _io_loop(self) -> None:
         """(1) poll, (2) DONEs from workers, unless a caller receives them, (3) broker notices, (4) links up,
-        (5) while close() waits, tell it once nothing is in flight."""
+        (5) the broker's connection lost or back, and a new session after a restart (client.rejoin), (6) while
+        close() waits, tell it once nothing is in flight."""
         pollers: tuple[zmq.Poller, zmq.Poller] | None = None
         links: tuple[Link, ...] = ()
         spin = self._io_spin
@@ -117,8 +123,12 @@ class Receiving:
                     with contextlib.suppress(zmq.Again):
                         while True:
                             self._wake_rx.recv(zmq.NOBLOCK)
+                if self._ctl_monitor in events:
+                    self._broker_link()  # (5)
+                if self._rejoin.lost:
+                    self._take_session(time.monotonic())
                 if self._drained is not None and not self._pending:
-                    self._drained.set()  # (5) close() waits for this
+                    self._drained.set()  # (6) close() waits for this
         except zmq.ContextTerminated:
             return
         except zmq.ZMQError:
@@ -150,6 +160,7 @@ class Receiving:
         full, control = zmq.Poller(), zmq.Poller()
         for poller in (full, control):
             poller.register(self._ctl, zmq.POLLIN)
+            poller.register(self._ctl_monitor, zmq.POLLIN)
             poller.register(self._wake_rx, zmq.POLLIN)
             for link in links:
                 if not link.lost:

@@ -45,6 +45,7 @@ class SlotViews:
     layout: RowsLayout
     ins: tuple[np.ndarray, ...]
     outs: tuple[np.ndarray, ...]
+    segment: Segment  # the ring they view: a request written into a ring the client has left is not sent
 
 
 def _descs(dtypes: list[np.dtype[Any]], item_shapes: list[tuple[int, ...]], rows: int) -> list[P.TensorDesc]:
@@ -90,7 +91,7 @@ class ModelPlan:
         ins = tuple(segment.input_view(slot, off, dt, (rows, *shape))
                     for off, dt, shape in zip(lay.in_offsets, self.in_dtypes, self.in_item_shapes, strict=True))
         outs = tuple(segment.output_view(slot, d.offset, self.out_dtypes[d.index], d.shape) for d in lay.out_descs)
-        return SlotViews(rows, lay, ins, outs)
+        return SlotViews(rows, lay, ins, outs, segment)
 
 
 class Link:
@@ -208,6 +209,17 @@ def find_broker(runtime_dir: str | os.PathLike[str] | None, given_as: str) -> Pa
         raise NoBroker(f"no broker serves the runtime directory {rd} ({how}): start `shmbroker serve`, or name "
                        f"the broker's directory with ${runtime.ENV_VAR} or {given_as}")
     return rd
+
+
+def rejoin_mismatch(setup: P.Setup, n_slots: int, max_items: int, models: list[P.ModelInfo]) -> str:
+    """Why a new session cannot take the place of the old one after a broker restart ("" when it can): the
+    client keeps its slots, rows and model plans, so the broker must grant the same."""
+    if setup.n_slots != n_slots or setup.max_items != max_items:
+        return (f"the broker granted {setup.n_slots} slots of {setup.max_items} rows, not {n_slots} of {max_items} "
+                "as before")
+    if sorted(setup.models, key=lambda m: m.model_id) != sorted(models, key=lambda m: m.model_id):
+        return "the broker serves other models, or the same with other shapes"
+    return ""
 
 
 def control_socket(ctx: zmq.Context[zmq.Socket[bytes]], runtime_dir: Path) -> zmq.Socket[bytes]:

@@ -212,3 +212,20 @@ def test_stage_histograms_become_prometheus_histograms_in_seconds() -> None:
     assert samples[("shmbroker_stage_duration_seconds_bucket", "+Inf")] == 6
     assert samples[("shmbroker_stage_duration_seconds_sum", "")] == pytest.approx(1500e-6)
     assert samples[("shmbroker_batch_size_bucket", "4.0")] == 1 and samples[("shmbroker_batch_size_sum", "")] == 6
+
+
+def test_status_json_of_models_with_no_batch_yet_has_only_public_keys(tmp_path: Path) -> None:
+    b = start_broker(tmp_path, "process")  # warm-up runs no batch the workers count: no request has come yet
+    try:
+        env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir))
+        r = subprocess.run([sys.executable, "-m", "broker.cli", "status", "--json", "--interval", "0.2"], env=env,
+                           cwd=REPO, capture_output=True, text=True, check=False, timeout=60)
+        assert r.returncode == 0, r.stderr
+        models = json.loads(r.stdout)["models"]
+        assert sorted(models) == ["nsfw", "tiny"]
+        for entry in models.values():
+            assert sorted(entry) == ["batches", "latency_us", "mean_batch", "queue_depth", "ready", "reason",
+                                     "requests", "throughput_rps", "workers_ready"], entry
+            assert entry["batches"] == 0 and entry["mean_batch"] is None and entry["requests"] == {}
+    finally:
+        assert b.stop() == 0

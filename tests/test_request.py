@@ -1,0 +1,69 @@
+"""The zero-copy ``with c.request(model, rows) as req:`` API as a user sees it, against a live broker: outputs are
+read-only views valid inside the block; after it, the request refuses further use and the arrays it handed out
+cannot write into a slot that serves other requests (they still read it: the docstring says to copy)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from client import Client, ShmBrokerError
+from tests.conftest import RunningBroker, arr, start_broker
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
+    b = start_broker(tmp_path_factory.mktemp("request"))
+    try:
+        yield b
+    finally:
+        assert b.stop() == 0, b.log()
+
+
+def tiny_ref(c: Client, x: np.ndarray) -> np.ndarray:
+    """tiny's answer through the copying API, to compare the zero-copy one with."""
+    return arr(c.infer("tiny", x)).copy()
+
+
+def test_outputs_are_read_only_views_of_the_slot_inside_the_block(live: RunningBroker) -> None:
+    x = np.random.default_rng(3).standard_normal((2, 256), dtype=np.float32)
+    with Client(live.runtime_dir) as c:
+        want = tiny_ref(c, x)
+        with c.request("tiny", rows=2) as req:
+            req.inputs["x"][...] = x  # inputs are writable inside the block
+            y = arr(req.run())
+            assert not y.flags.owndata and not y.flags.writeable
+            np.testing.assert_allclose(y, want, rtol=0, atol=1e-5)
+            with pytest.raises(ValueError, match="read-only"):
+                y[0, 0] = 1.0
+            with pytest.raises(ValueError, match="read-only"):
+                y[:1] += 1.0  # a slice of a read-only view is read-only too
+            np.testing.assert_allclose(arr(req.run()), want, rtol=0, atol=1e-5)  # run() again: same slot, same
+
+
+def test_after_the_block_the_request_refuses_use_and_kept_arrays_cannot_write(live: RunningBroker) -> None:
+    ones, zeros = np.ones((1, 256), np.float32), np.zeros((1, 256), np.float32)
+    with Client(live.runtime_dir, slots=1) as c:  # one slot: the next request reuses the block's slot
+        want_ones, want_zeros = tiny_ref(c, ones), tiny_ref(c, zeros)
+        assert not np.array_equal(want_ones, want_zeros)
+        with c.request("tiny") as req:
+            kept_in = req.inputs["x"]
+            kept_in[...] = ones
+            kept_out = arr(req.run())
+            copied = kept_out.copy()  # what the docstring tells a user to do with a result kept past the block
+        with pytest.raises(ShmBrokerError, match="block has ended") as exc:
+            req.run()
+        assert exc.value.code == "REQUEST_ENDED"
+        with pytest.raises(ShmBrokerError, match=r"req.inputs\['x'\].*block has ended"):
+            req.inputs["x"]
+        assert req.outputs == {}
+        with pytest.raises(ValueError, match="read-only"):
+            kept_in[...] = 7.0  # would have overwritten the input of whatever request holds the slot now
+        with pytest.raises(ValueError, match="read-only"):
+            kept_out[...] = 7.0
+        np.testing.assert_allclose(arr(c.infer("tiny", zeros)), want_zeros, rtol=0, atol=1e-5)
+        # documented, not preventable: a view kept past the block reads the slot, now the last request's result
+        np.testing.assert_allclose(kept_out, want_zeros, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(copied, want_ones, rtol=0, atol=1e-5)
