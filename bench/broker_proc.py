@@ -19,7 +19,7 @@ from typing import IO, Any
 from bench.common import BenchError, Figures, Progress
 from broker import protocol as P
 from broker import ring, runtime
-from broker.cli import ask_broker
+from broker.ask import ask_broker
 
 SHM_DIR = Path("/dev/shm")
 READY_TIMEOUT_S = 300.0

@@ -24,7 +24,7 @@ from bench import cpu_sample
 from bench.common import Figures
 from bench.procs import Sync
 from broker import protocol as P
-from broker.cli import ask_broker
+from broker.ask import ask_broker
 from client import Client, ShmBrokerError
 from gpu_worker.histogram import mean, quantile
 

@@ -19,6 +19,7 @@ import zmq
 
 from broker import config, proc, runtime
 from broker import protocol as P
+from broker.ask import ask_broker
 
 if TYPE_CHECKING:
     from client import Client
@@ -128,21 +129,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _err(str(exc))
         return 1
     return 0
-
-
-def ask_broker(runtime_dir: Path, msg: msgspec.Struct, timeout: float) -> msgspec.Struct | None:
-    """One request to the broker's control socket; None when nothing answers within ``timeout``."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    try:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(runtime.endpoint(runtime_dir, runtime.CONTROL_SOCKET))
-        sock.send_multipart(P.encode(msg))
-        if not sock.poll(int(timeout * 1000)):
-            return None
-        return P.decode(sock.recv_multipart())
-    finally:
-        ctx.destroy(linger=0)
 
 
 def _runtime_dir(args: argparse.Namespace) -> Path:
@@ -305,9 +291,15 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """Bench's own parser reads its options here, so that building this command's parser loads no bench module."""
+    from bench.run import add_arguments
     from bench.run import main as bench_main
 
-    return bench_main(args)
+    ap = argparse.ArgumentParser(prog="shmbroker bench", description="measure the broker against raw ZeroMQ and "
+                                 "in-process limits (bench/README.md)")
+    add_arguments(ap)
+    _fill_help(ap)
+    return bench_main(ap.parse_args(args.options))
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -380,7 +372,6 @@ def _add_queries(sub: Subparsers) -> None:
 
 
 def _add_delegated(sub: Subparsers) -> None:
-    from bench.run import add_arguments
     from broker.modelbuild.args import add_build_arguments, add_check_arguments
     from frontend import inline_cli
     from frontend import main as http_main
@@ -393,9 +384,10 @@ def _add_delegated(sub: Subparsers) -> None:
     inline_cli.add_arguments(n)
     _add_runtime_dir(n)
     _fill_help(n).set_defaults(fn=inline_cli.command)
-    b = sub.add_parser("bench", help="measure the broker against raw ZeroMQ and in-process limits")
-    add_arguments(b)
-    _fill_help(b).set_defaults(fn=cmd_bench)
+    b = sub.add_parser("bench", help="measure the broker against raw ZeroMQ and in-process limits", add_help=False)
+    b.add_argument("options", nargs=argparse.REMAINDER,
+                   help="the benchmark's options; `shmbroker bench -h` lists them (bench/README.md)")
+    b.set_defaults(fn=cmd_bench)
     bd = sub.add_parser("build", help="ONNX to fp16/int8 ONNX and a TensorRT plan with its sidecar (offline)")
     add_build_arguments(bd)
     _fill_help(bd).set_defaults(fn=cmd_build)
@@ -417,8 +409,22 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _split_bench(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(the command line up to the command, bench's own options) when the command is ``bench``, else (argv,
+    None): bench parses its options itself (cmd_bench), and argparse's REMAINDER would not take a leading -h."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 2 if argv[i] == "--runtime-dir" else 1  # the one top-level option with a separate value
+    if i < len(argv) and argv[i] == "bench":
+        return argv[: i + 1], argv[i + 1 :]
+    return argv, None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    head, bench_options = _split_bench(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(head)
+    if bench_options is not None:
+        args.options = bench_options
     if getattr(args, "sub_runtime_dir", ""):
         args.runtime_dir = args.sub_runtime_dir
     try:

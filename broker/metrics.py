@@ -1,7 +1,7 @@
 """Prometheus metrics for /metrics: one custom Collector that turns the broker's view into metric families.
 
 Multiprocess set-up, and why not ``PROMETHEUS_MULTIPROC_DIR``: the workers are separate processes that
-already keep their own per-model counters (``gpu_worker.runner.ModelCounters``) and report them to the
+already keep their own per-model counters (``gpu_worker.work.ModelCounters``) and report them to the
 broker over ZeroMQ (STATS). At each scrape this collector asks the broker for those reports, exactly as
 ``shmbroker stats`` does, and builds the families from them. prometheus-client's multiprocess mode would
 instead make every worker write its metrics into mmap'ed files on the hot path, needs the directory wiped
@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from broker import protocol as P
-from broker.cli import ask_broker
+from broker.ask import ask_broker
 from broker.config import Config
 from broker.gpu_info import gpu_samples
 from broker.probe import Prober

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker import protocol as P
-from broker.cli import ask_broker
+from broker.ask import ask_broker
 from broker.config import Config
 from broker.http_health import HealthServer
 from broker.metrics import build_registry

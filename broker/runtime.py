@@ -126,11 +126,37 @@ def previous_instance(runtime_dir: Path) -> str:
         return ""
 
 
+def has_listener(path: Path) -> bool:
+    """True when a process listens on the unix socket file ``path``, or when that cannot be told; False when
+    the file is missing or refuses connections (whoever bound it is gone)."""
+    if len(os.fsencode(path)) >= 108:  # sun_path's limit: nobody could have bound it, but do not guess
+        return True
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)  # a listener with a full backlog answers EAGAIN at once instead of blocking us: live
+    try:
+        probe.connect(str(path))
+    except (FileNotFoundError, ConnectionRefusedError):
+        return False
+    except OSError:  # EAGAIN, EACCES, not a stream socket: not ours to remove
+        return True
+    finally:
+        probe.close()
+    return True
+
+
 def clean_stale_sockets(runtime_dir: Path) -> int:
-    """Remove socket files left by a dead broker (called only while holding the InstanceLock)."""
+    """Remove the directory's socket files that nothing listens on (left by a dead broker, worker or gateway);
+    returns how many. A live listener's file, a running ``shmbroker inline``'s, say, is kept: the broker's
+    start and stop must not cut off a process that outlives it."""
     n = 0
     for entry in runtime_dir.glob("*.sock"):
         with contextlib.suppress(FileNotFoundError):
-            entry.unlink()
-            n += 1
+            probed = entry.stat()
+            if has_listener(entry):
+                continue
+            # unlink only the file that refused: one a starting gateway bound meanwhile has another inode
+            again = entry.stat()
+            if (again.st_dev, again.st_ino) == (probed.st_dev, probed.st_ino):
+                entry.unlink()
+                n += 1
     return n

@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 
 from broker import protocol as P
-from broker.cli import ask_broker
+from broker.ask import ask_broker
 from broker.gpu_info import gpu_samples
 
 ASK_TIMEOUT_S = 5.0

@@ -6,6 +6,8 @@ copies the frames into a ring slot, and answers ``[envelope(INLINE_REPLY), JSON 
 output]``. The shared-memory fast path is untouched: workers and the broker see an ordinary session.
 Endpoints: ``ipc://<runtime_dir>/inline.sock`` always; ``tcp://...`` only with ``--tcp`` and then only
 with CURVE (``--curve-secret-file``; ``--curve-clients DIR`` limits callers to the public keys in DIR).
+One gateway per runtime directory: it holds an flock on ``inline.lock`` beside its socket for its whole life,
+so a second one refuses to start, and on exit it removes its socket file if that is still the one it bound.
 docs/PROTOCOL.md section 10 has the bytes.
 """
 
@@ -13,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import logging
 import math
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,7 @@ INLINE_REPLY = 41
 INLINE_MODELS = 42  # body {}: what the gateway serves
 INLINE_MODELS_REPLY = 43  # body InlineModelsReply: the models SETUP carries and the gateway's rows limit
 SOCKET_NAME = "inline.sock"
+LOCK_NAME = "inline.lock"  # not *.sock: the broker's stale-socket cleanup leaves it alone, and it is never unlinked
 MAX_ITEMS_SETTING = "shmbroker inline --max-items"  # what a BAD_SHAPE answer over the session's rows names
 
 
@@ -173,6 +179,51 @@ class Gateway:
         waiter.cancel()
 
 
+class GatewayRefused(RuntimeError):
+    """The gateway may not take its socket (another gateway serves it, or the runtime directory is missing);
+    the text names the path and the setting to change."""
+
+
+class SocketClaim:
+    """This gateway's hold on ``<runtime_dir>/inline.sock``: an flock on ``inline.lock``, taken before the bind
+    and kept until after the socket file is removed; GatewayRefused when a live gateway holds it."""
+
+    # An flock rather than a connect probe of the socket: two gateways starting at once cannot both see the
+    # file free, and the kernel drops the lock of a gateway that dies, so a stale socket file never blocks.
+    def __init__(self, runtime_dir: Path) -> None:
+        self.path = runtime_dir / SOCKET_NAME
+        self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the file our bind created
+        lock = runtime_dir / LOCK_NAME
+        try:
+            self._fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:
+            raise GatewayRefused(f"runtime directory {runtime_dir} does not exist: start `shmbroker serve` "
+                                 f"first, or name the broker's with --runtime-dir or $SHMBROKER_RUNTIME_DIR") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            raise GatewayRefused(f"{self.path}: another `shmbroker inline` (pid {holder}) already serves it; "
+                                 f"stop that one, or give this one another runtime directory (--runtime-dir or "
+                                 f"$SHMBROKER_RUNTIME_DIR)") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # for the message of a gateway refused later
+
+    def bound(self) -> None:
+        """Record the socket file that our bind just created (ZeroMQ replaced any stale one: we hold the lock)."""
+        st = self.path.stat()
+        self._bound = (st.st_dev, st.st_ino)
+
+    def release(self) -> None:
+        """Remove our socket file if it is still ours (never another's put there since), then drop the lock."""
+        with contextlib.suppress(FileNotFoundError):
+            st = self.path.stat()
+            if (st.st_dev, st.st_ino) == self._bound:
+                self.path.unlink()
+        os.close(self._fd)
+
+
 async def _connect(rd: Path, args: argparse.Namespace, stop: asyncio.Event) -> AsyncClient | None:
     """The ring session, retried until the broker answers (it may start after the gateway)."""
     loop = asyncio.get_running_loop()
@@ -204,33 +255,40 @@ def _tcp_socket(ctx: zmq.asyncio.Context, args: argparse.Namespace) -> zmq.async
 
 
 async def serve(args: argparse.Namespace, on_ready: Any) -> int:
+    """Serve until SIGTERM or SIGINT; GatewayRefused, before anything is bound, when a gateway already serves the
+    runtime directory or it does not exist."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     rd = Path(args.runtime_dir) if args.runtime_dir else runtime.resolve()
+    claim = SocketClaim(rd)
     ctx = zmq.asyncio.Context()
     auth = None
-    if args.curve_clients:
-        from zmq.auth.asyncio import AsyncioAuthenticator
+    try:
+        if args.curve_clients:
+            from zmq.auth.asyncio import AsyncioAuthenticator
 
-        auth = AsyncioAuthenticator(ctx)  # ZAP: only the public keys in the directory may connect over TCP
-        auth.start()
-        auth.configure_curve(domain="*", location=args.curve_clients)
-    ipc = ctx.socket(zmq.ROUTER)
-    ipc.setsockopt(zmq.LINGER, 0)
-    endpoints = [runtime.endpoint(rd, SOCKET_NAME)]
-    ipc.bind(endpoints[0])
-    sockets = [ipc]
-    if args.tcp:
-        sockets.append(_tcp_socket(ctx, args))
-        endpoints.append(str(sockets[-1].getsockopt_string(zmq.LAST_ENDPOINT)))  # tcp://HOST:* resolved
-    client = await _connect(rd, args, stop)
-    if client is not None:
-        on_ready(endpoints)
-        await asyncio.gather(*(Gateway(client, s).run(stop) for s in sockets))
-        await client.close()
-    if auth is not None:
-        auth.stop()
-    ctx.destroy(linger=0)
+            auth = AsyncioAuthenticator(ctx)  # ZAP: only the public keys in the directory may connect over TCP
+            auth.start()
+            auth.configure_curve(domain="*", location=args.curve_clients)
+        ipc = ctx.socket(zmq.ROUTER)
+        ipc.setsockopt(zmq.LINGER, 0)
+        endpoints = [runtime.endpoint(rd, SOCKET_NAME)]
+        ipc.bind(endpoints[0])
+        claim.bound()
+        sockets = [ipc]
+        if args.tcp:
+            sockets.append(_tcp_socket(ctx, args))
+            endpoints.append(str(sockets[-1].getsockopt_string(zmq.LAST_ENDPOINT)))  # tcp://HOST:* resolved
+        client = await _connect(rd, args, stop)
+        if client is not None:
+            on_ready(endpoints)
+            await asyncio.gather(*(Gateway(client, s).run(stop) for s in sockets))
+            await client.close()
+    finally:
+        if auth is not None:
+            auth.stop()
+        ctx.destroy(linger=0)
+        claim.release()  # after the close: the file goes only once nothing of ours listens on it
     return 0

@@ -22,7 +22,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    """``shmbroker inline``: prints ``shmbroker inline: ready on ENDPOINT[ ENDPOINT]`` once it has its session."""
+    """``shmbroker inline``: prints ``shmbroker inline: ready on ENDPOINT[ ENDPOINT]`` once it has its session;
+    exits 2 when another gateway serves the runtime directory, or there is none."""
     import uvloop
 
     if args.tcp and not args.curve_secret_file:
@@ -35,6 +36,10 @@ def command(args: argparse.Namespace) -> int:
         sys.stdout.write(f"shmbroker inline: ready on {' '.join(endpoints)}\n")
         sys.stdout.flush()
 
-    from frontend.inline import serve
+    from frontend.inline import GatewayRefused, serve
 
-    return uvloop.run(serve(args, ready))
+    try:
+        return uvloop.run(serve(args, ready))
+    except GatewayRefused as exc:
+        sys.stderr.write(f"shmbroker: inline: {exc}\n")
+        return 2

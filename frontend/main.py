@@ -1,15 +1,17 @@
 """``shmbroker http``: start N front-end processes (frontend/server.py) on one port and keep them running.
 
-This process only supervises. It binds the port first with SO_REUSEPORT and keeps that socket (bound,
-never listening, so it takes no connections): the port is then fixed before any child starts (``--port 0``
-picks a free one), and no other user's process can take it between restarts. Each child binds the same
-port with SO_REUSEPORT and the kernel spreads new connections over the listening ones. A child that exits
-is restarted after a pause; SIGTERM or SIGINT stops them all.
+This process only supervises. It owns the port: it binds and listens on one socket, without SO_REUSEPORT,
+before any child starts (``--port 0`` picks a free one), and every child serves connections from that same
+socket, inherited at spawn; the kernel hands each new connection to whichever child accepts it first. So a
+second ``shmbroker http`` (or any other server) on the same host:port fails to bind and exits 2, and the
+port stays taken across child restarts. A child that exits is restarted after a pause; SIGTERM or SIGINT
+stops them all.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import multiprocessing as mp
 import socket
@@ -27,15 +29,31 @@ from frontend.settings import Settings
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 120.0  # a child's session handshake is retried until the broker answers
 RESTART_PAUSE_S = 1.0
+BACKLOG = 128  # aiohttp's default, which each child's SockSite sets again on the shared socket
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
-    """A bound SO_REUSEPORT socket holding ``host:port`` (port 0: a free one) for the children to share."""
+class PortTaken(RuntimeError):
+    """Another process listens on the host:port that ``--port`` names."""
+
+
+def claim_port(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` (port 0: a free one), for the children to share; PortTaken when
+    another process listens there."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    # One listening socket inherited by every child, no SO_REUSEPORT: the kernel itself refuses any later
+    # binder of this port (EADDRINUSE), with no window between a check and the bind and no lock file to leave
+    # behind; SO_REUSEPORT would let any process of this user join the group and take half the connections.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # only lets us rebind over TIME_WAIT connections
+    try:
+        sock.bind((host, port))
+        sock.listen(BACKLOG)  # listening is the claim: two bound, non-listening SO_REUSEADDR sockets may coexist
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortTaken(f"--port: {host}:{port} is already in use (another `shmbroker http` or another server "
+                            f"listens there); stop it, or choose another --port") from None
+        raise
     return sock
 
 
@@ -45,8 +63,8 @@ class Frontends:
     def __init__(self, settings: Settings, workers: int, log_level: str = "INFO") -> None:
         if workers < 1:
             raise ValueError(f"--workers: expected at least 1, got {workers}")
-        self._held = reserve_port(settings.host, settings.port)
-        self.settings = replace(settings, port=self._held.getsockname()[1])
+        self._sock = claim_port(settings.host, settings.port)
+        self.settings = replace(settings, port=self._sock.getsockname()[1])
         self.workers = workers
         self.log_level = log_level
         self._ctx = mp.get_context("spawn")
@@ -60,7 +78,8 @@ class Frontends:
         from frontend import server  # aiohttp and the client load in the children, not in `shmbroker ...`
 
         rx, tx = self._ctx.Pipe(duplex=False)
-        p = self._ctx.Process(target=server.run, args=(self.settings, tx, self.log_level), name="shmb-http")
+        p = self._ctx.Process(target=server.run, args=(self.settings, tx, self.log_level, self._sock),
+                             name="shmb-http")  # the socket travels to the child as a duplicate descriptor
         p.start()
         tx.close()
         return p, rx
@@ -111,13 +130,15 @@ class Frontends:
                 p.kill()
                 p.join(5)
             rx.close()
-        self._held.close()
+        self._sock.close()
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--workers", type=int, default=2, help="front-end processes sharing the port (default 2)")
+    ap.add_argument("--workers", type=int, default=2,
+                    help="front-end processes sharing the port's one listening socket (default 2)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: a free one, printed)")
+    ap.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: a free one, printed); "
+                    "refused with exit 2 when another process listens on it")
     ap.add_argument("--slots", type=int, default=0,
                     help="ring slots per process, i.e. its requests in flight (default: the broker's default_slots)")
     ap.add_argument("--max-items", type=int, default=0,
@@ -138,7 +159,7 @@ def command(args: argparse.Namespace) -> int:
     settings = Settings(args.host, args.port, rd, args.slots, args.max_items, args.max_body_mib)
     try:
         fe = Frontends(settings, args.workers, args.log_level)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, PortTaken) as exc:
         sys.stderr.write(f"shmbroker: http: {exc}\n")
         return 2
 

@@ -2,9 +2,10 @@
 
 The process holds one ring session (``client.AsyncClient``): an infer request's tensors go from the HTTP
 body into a ring slot with one copy, the worker writes the outputs into the same slot, and the response is
-built from them. Several such processes listen on one port with SO_REUSEPORT (frontend/main.py starts
-them); the kernel spreads connections over them. Errors are ``{"error": "..."}`` with 400 (bad input),
-404 (unknown model or path), 503 (overloaded, not ready, worker died), 504 (timeout), 500 (anything else).
+built from them. Several such processes accept from one listening socket that frontend/main.py binds and
+passes to them; the kernel hands each connection to one of them. Errors are ``{"error": "..."}`` with 400
+(bad input), 404 (unknown model or path), 503 (overloaded, not ready, worker died), 504 (timeout), 500
+(anything else).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -23,7 +25,7 @@ from aiohttp import web
 
 from broker import proc
 from broker import protocol as P
-from broker.cli import ask_broker
+from broker.ask import ask_broker
 from client import AsyncClient, BadInput, Overloaded, RequestTimeout, ShmBrokerError, UnknownModel, WorkerDied
 from frontend import kserve
 from frontend.kserve import HttpError
@@ -91,8 +93,12 @@ class Frontend:
         response.headers[PID_HEADER] = str(os.getpid())
 
     def _client(self) -> AsyncClient:
+        """The session's client; 503 while there is none: not made yet, or the broker gone (it rejoins)."""
         if self.client is None:
             raise HttpError(503, "not ready: no session with the broker yet")
+        if not self.client.client.connected:
+            raise HttpError(503, "not ready: the broker is gone (stopped or restarting); the session comes back "
+                                 "with it")
         return self.client
 
     def _model(self, request: web.Request) -> P.ModelInfo:
@@ -175,8 +181,9 @@ class Frontend:
                     continue
 
 
-async def serve(settings: Settings, ready: Connection | None = None) -> None:
-    """Serve until SIGTERM or SIGINT; sends ("ready", pid) on ``ready`` once the session and the port are up."""
+async def serve(settings: Settings, ready: Connection | None = None, sock: socket.socket | None = None) -> None:
+    """Serve until SIGTERM or SIGINT on ``sock`` (the parent's listening socket), else on a port of its own;
+    sends ("ready", pid) on ``ready`` once the session and the port are up."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -184,7 +191,9 @@ async def serve(settings: Settings, ready: Connection | None = None) -> None:
     fe = Frontend(settings)
     runner = web.AppRunner(fe.app(), access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, reuse_port=True)
+    # alone (``python -m frontend.server``) it binds without SO_REUSEPORT, so it too owns its port
+    site: web.BaseSite = (web.SockSite(runner, sock) if sock is not None
+                          else web.TCPSite(runner, settings.host, settings.port))
     await site.start()
     await fe.connect(stop)
     if fe.client is not None:
@@ -197,14 +206,15 @@ async def serve(settings: Settings, ready: Connection | None = None) -> None:
         await fe.client.close()
 
 
-def run(settings: Settings, ready: Connection | None = None, log_level: str = "INFO") -> None:
-    """Process entry point (multiprocessing target): one front-end process on uvloop."""
+def run(settings: Settings, ready: Connection | None = None, log_level: str = "INFO",
+        sock: socket.socket | None = None) -> None:
+    """Process entry point (multiprocessing target): one front-end process on uvloop, serving ``sock``."""
     import uvloop
 
     proc.name_process("shmb-http")
     proc.setup_logging(log_level)
     proc.die_with_parent()
-    uvloop.run(serve(settings, ready))
+    uvloop.run(serve(settings, ready, sock))
 
 
 def _main_args(argv: list[str] | None = None) -> Settings:

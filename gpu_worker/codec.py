@@ -16,7 +16,7 @@ from gpu_worker.engines.base import IOSpec
 from gpu_worker.intake import ModelView
 
 if TYPE_CHECKING:
-    from gpu_worker.runner import Work
+    from gpu_worker.work import Work
 
 DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
 OK = int(P.Status.OK)

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import cast
 
 from broker import protocol as P
 from broker.config import Config, ModelSection
 from gpu_worker import cuda, model_source
 from gpu_worker.batcher import Batcher
-from gpu_worker.engines import Engine, IOSpec, is_device_engine, load_engine
+from gpu_worker.engines import DeviceEngine, Engine, IOSpec, is_device_engine, load_engine
 from gpu_worker.intake import ModelView
-from gpu_worker.runner import BatchRunner, Work, make_runner
+from gpu_worker.pipeline import PipelineRunner
+from gpu_worker.runner import BatchRunner, ModelRunner
 from gpu_worker.warmup import prime
+from gpu_worker.work import ModelCounters, Work
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,15 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
         served[model_id] = ServedModel(view, engine, runner)
         log.info("model %s ready on %s in %.2f s", name, device, time.monotonic() - t0)
     return served
+
+
+def make_runner(model: ModelView, engine: Engine, batcher: Batcher[Work], streams: int,
+                instances: int = 1, lone: Engine | None = None) -> BatchRunner:
+    """The GPU pipeline (``streams`` stream slots) for a device engine, else the host runner (``instances``,
+    ``lone`` for a batch that runs alone)."""
+    if is_device_engine(engine):
+        return PipelineRunner(model, cast("DeviceEngine", engine), batcher, ModelCounters(), streams)
+    return ModelRunner(model, engine, batcher, ModelCounters(), instances, lone)
 
 
 def lone_engine(cfg: Config, name: str) -> Engine | None:

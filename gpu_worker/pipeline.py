@@ -26,8 +26,9 @@ from gpu_worker.batcher import Batcher, Take
 from gpu_worker.engines.base import DeviceEngine
 from gpu_worker.histogram import Histogram
 from gpu_worker.intake import ModelView
-from gpu_worker.runner import BatchRunner, ModelCounters, Work, complete_ok
+from gpu_worker.runner import BatchRunner
 from gpu_worker.streams import CopyPlan, StreamSlot, probe_batched_copies
+from gpu_worker.work import ModelCounters, Work, complete_ok
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from gpu_worker import cuda
 from gpu_worker.codec import ModelCodec
 from gpu_worker.engines.base import DeviceContext, DeviceEngine
-from gpu_worker.runner import Work
+from gpu_worker.work import Work
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from gpu_worker.hints import Watch, hinted_submit
 from gpu_worker.intake import Rejected, check_slot, check_tensors
 from gpu_worker.models import ServedModel, build_models, model_info, overloaded_message
 from gpu_worker.ratelog import RateLimitedLog
-from gpu_worker.runner import Work, reply
 from gpu_worker.sessions import WorkerSession
+from gpu_worker.work import Work, reply
 
 log = logging.getLogger(__name__)
 

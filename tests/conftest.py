@@ -19,7 +19,7 @@ import pytest
 
 from broker import protocol as P
 from broker import ring
-from broker.cli import ask_broker
+from broker.ask import ask_broker
 
 REPO = Path(__file__).resolve().parent.parent
 

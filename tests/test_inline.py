@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -182,8 +184,8 @@ def test_tcp_needs_curve(gateway: tuple[RunningBroker, list[str]]) -> None:
     assert r.returncode == 2 and "CURVE" in r.stderr
 
 
-def test_tcp_with_curve_serves_an_authorised_client(gateway: tuple[RunningBroker, list[str]], tmp_path: Path) -> None:
-    b, _ = gateway
+def test_tcp_with_curve_serves_an_authorised_client(tmp_path: Path) -> None:
+    """A gateway of its own (one gateway per runtime directory: the module's already serves its broker's)."""
     server_public, server_secret = zmq.curve_keypair()
     secret_file = tmp_path / "server.key"
     secret_file.write_bytes(server_secret)
@@ -192,21 +194,95 @@ def test_tcp_with_curve_serves_an_authorised_client(gateway: tuple[RunningBroker
     _public_file, secret_path = zmq.auth.create_certificates(str(tmp_path), "client")
     (allowed / "client.key").write_bytes((tmp_path / "client.key").read_bytes())  # only its public key
     client_public, client_secret = zmq.auth.load_certificate(str(secret_path))
-    proc, endpoints = start_inline(b, tmp_path / "tcp.log", "--tcp", "tcp://127.0.0.1:*", "--curve-secret-file",
-                                   str(secret_file), "--curve-clients", str(allowed))
-    try:
+    with broker_with_gateway(tmp_path, "--tcp", "tcp://127.0.0.1:*", "--curve-secret-file", str(secret_file),
+                             "--curve-clients", str(allowed)) as (_b, endpoints):
         tcp = next(e for e in endpoints if e.startswith("tcp://"))
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.curve_serverkey = server_public
+            sock.curve_publickey = client_public
+            sock.curve_secretkey = client_secret or b""
+            sock.connect(tcp)
+            x = np.random.default_rng(2).standard_normal((3, 256), dtype=np.float32)
+            head, frames = _infer(sock, "tiny", "x", x)
+            assert head["status"] == "OK"
+            np.testing.assert_allclose(np.frombuffer(frames[0], np.float32).reshape(3, 256), direct("tiny", x),
+                                       rtol=0, atol=1e-5)
+        finally:
+            ctx.destroy(linger=0)
+
+
+def _answers(endpoint: str) -> bool:
+    """True when a gateway answers INLINE_MODELS on ``endpoint`` (a fresh DEALER, so a fresh connection)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
         sock = ctx.socket(zmq.DEALER)
-        sock.curve_serverkey = server_public
-        sock.curve_publickey = client_public
-        sock.curve_secretkey = client_secret or b""
-        sock.connect(tcp)
-        x = np.random.default_rng(2).standard_normal((3, 256), dtype=np.float32)
-        head, frames = _infer(sock, "tiny", "x", x)
-        assert head["status"] == "OK"
-        np.testing.assert_allclose(np.frombuffer(frames[0], np.float32).reshape(3, 256), direct("tiny", x),
-                                   rtol=0, atol=1e-5)
-        ctx.destroy(linger=0)
+        sock.connect(endpoint)
+        sock.send_multipart([_env(INLINE_MODELS), b"{}"])
+        return bool(sock.poll(60_000)) and sock.recv_multipart()[0] == _env(INLINE_MODELS_REPLY)
     finally:
-        assert stop(proc) == 0
+        ctx.destroy(linger=0)
+
+
+def test_a_second_gateway_on_the_runtime_dir_refuses_to_start(gateway: tuple[RunningBroker, list[str]]) -> None:
+    b, endpoints = gateway
+    path = b.runtime_dir / "inline.sock"
+    before = path.stat().st_ino
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir))
+    r = subprocess.run([sys.executable, "-m", "broker.cli", "inline"], env=env, cwd=REPO, capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 2, r.stderr
+    assert str(path) in r.stderr and "another `shmbroker inline`" in r.stderr and "--runtime-dir" in r.stderr, r.stderr
+    assert path.stat().st_ino == before  # not taken over: the first gateway still owns the file and answers on it
+    assert _answers(endpoints[0])
+
+
+def test_the_broker_leaves_a_live_gateways_socket_alone(tmp_path: Path) -> None:
+    """The broker's stop and its next start (the janitor) remove their own socket files, not the gateway's;
+    the gateway, stopped, removes its own."""
+    b = start_broker(tmp_path, "process")
+    proc: subprocess.Popen[str] | None = None
+    try:
+        proc, endpoints = start_inline(b, tmp_path / "inline.log")
+        path = b.runtime_dir / "inline.sock"
+        ino = path.stat().st_ino
+        assert b.stop() == 0, b.log()
+        assert sorted(p.name for p in b.runtime_dir.glob("*.sock")) == ["inline.sock"]
+        assert path.stat().st_ino == ino and _answers(endpoints[0])
+        b = start_broker(tmp_path, "process")  # same runtime dir: its janitor runs
+        assert path.stat().st_ino == ino and _answers(endpoints[0])
+        assert stop(proc) == 0, (tmp_path / "inline.log").read_text()[-3000:]
+        proc = None
+        assert not path.exists()
+    finally:
+        if proc is not None:
+            proc.kill()
+        assert b.stop() == 0, b.log()
+
+
+def test_a_gateway_removes_only_its_own_socket_and_a_dead_ones_is_stale(tmp_path: Path) -> None:
+    """A gateway killed leaves its file, which the next gateway takes; a gateway that exits leaves a file put in
+    its socket's place alone; the broker's stop removes a file nothing listens on."""
+    b = start_broker(tmp_path, "process")
+    path = b.runtime_dir / "inline.sock"
+    try:
+        first, _ = start_inline(b, tmp_path / "first.log")
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        assert path.exists()  # stale: nothing listens, and the lock died with the process
+        second, endpoints = start_inline(b, tmp_path / "second.log")
+        assert _answers(endpoints[0])
+        path.unlink()  # someone else's socket in its place: the gateway's exit must not remove it
+        other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            other.bind(str(path))
+            other.listen()
+            theirs = path.stat().st_ino
+            assert stop(second) == 0, (tmp_path / "second.log").read_text()[-3000:]
+            assert path.exists() and path.stat().st_ino == theirs
+        finally:
+            other.close()
+    finally:
+        assert b.stop() == 0, b.log()
+    assert not list(b.runtime_dir.glob("*.sock"))  # the other one's file refused connections: stale, removed

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from broker import protocol as P
-from broker.cli import ask_broker
+from broker.ask import ask_broker
 from broker.config import parse
 from broker.shm_space import check, free_bytes, ring_bytes
 from tests.conftest import REPO, TEST_MODELS, write_config

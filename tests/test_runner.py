@@ -20,9 +20,10 @@ from gpu_worker.batcher import Batcher
 from gpu_worker.engines import load_engine
 from gpu_worker.engines.base import IOSpec
 from gpu_worker.intake import ModelView
-from gpu_worker.runner import INLINE_BELOW_S, ModelCounters, ModelRunner, Work
+from gpu_worker.runner import INLINE_BELOW_S, ModelRunner
 from gpu_worker.sessions import WorkerSession
 from gpu_worker.warmup import prime
+from gpu_worker.work import ModelCounters, Work
 
 
 def tiny_runner() -> ModelRunner:

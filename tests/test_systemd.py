@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from broker import protocol as P
-from broker.cli import ask_broker
+from broker.ask import ask_broker
 from broker.notify import Notifier
 from tests.conftest import REPO, write_config
 

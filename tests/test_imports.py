@@ -1,0 +1,108 @@
+"""The import graph of the production packages: no cycles between modules, bench out of production code, and a
+command parser that loads neither bench nor the client library nor an inference runtime."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGES = ("broker", "gpu_worker", "client", "frontend")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(tree: ast.Module, name: str, is_package: bool) -> Iterator[str]:
+    """Every module ``tree`` imports, at module level or inside a function (a lazy import is still a
+    dependency), except under ``if TYPE_CHECKING``; ``from pkg import x`` also yields ``pkg.x``."""
+    hidden = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+              for n in ast.walk(node)}
+    package = name if is_package else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            yield base
+            yield from (f"{base}.{a.name}" for a in node.names)
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        deps = set(_imports(tree, name, path.name == "__init__.py"))
+        graph[name] = {d for d in deps if d in mods and d != name and not name.startswith(d + ".")}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_production_modules_import_without_cycles() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_production_code_never_imports_bench() -> None:
+    offenders = {m for m, path in _modules().items() for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Import | ast.ImportFrom)
+                 and any(n == "bench" or n.startswith("bench.") for n in
+                         ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]))}
+    assert offenders == {"broker.cli"}  # only `shmbroker bench`, inside its command function (checked below)
+
+
+def test_the_command_parser_loads_no_bench_client_or_runtime() -> None:
+    code = ("import sys; from broker import cli; cli.build_parser(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('bench', 'client', 'onnxruntime', 'torch', 'tensorrt', 'aiohttp')))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
+    assert r.stdout.strip() == "[]", r.stdout
