@@ -9,15 +9,20 @@ travel here: only slot descriptors do. docs/PROTOCOL.md describes the same bytes
 from __future__ import annotations
 
 import enum
+import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
+import msgspec.inspect
 import numpy as np
+
+from broker.config import SessionsSection
 
 PROTOCOL_VERSION = 1
 MAX_DIMS = 8
+HELLO_NAME_MAX = 256  # Hello.name's most characters: a bound on the HELLO, so on the control socket's frames
 
 
 class ProtocolError(ValueError):
@@ -193,7 +198,7 @@ class Hello(msgspec.Struct, frozen=True):
     pid: int
     slots: int = 0  # 0: the broker's default
     max_items: int = 0  # items per request a slot holds; 0: the broker's default
-    name: str = ""
+    name: Annotated[str, msgspec.Meta(max_length=HELLO_NAME_MAX)] = ""
 
 
 class Setup(msgspec.Struct, frozen=True):
@@ -404,7 +409,9 @@ def encode(msg: msgspec.Struct) -> list[bytes]:
 
 
 def decode(frames: list[bytes]) -> msgspec.Struct:
-    """Decode a control message into its typed struct; ProtocolError names the kind and the bad field."""
+    """Decode a control message into its typed struct; ProtocolError names the kind and the bad field.
+
+    Whatever the bytes, the only exception is ProtocolError: the callers decode untrusted peers' messages."""
     kind = read_envelope(frames)
     decoder = _DECODERS.get(kind)
     if decoder is None:
@@ -413,7 +420,40 @@ def decode(frames: list[bytes]) -> msgspec.Struct:
         result: msgspec.Struct = decoder.decode(frames[1])
     except msgspec.DecodeError as exc:  # ValidationError is a subclass; its text names the field
         raise ProtocolError(f"{kind.name}: {exc}") from None
+    except RecursionError:
+        # msgspec recurses once per nesting level, unknown fields included, and stops at the interpreter's
+        # recursion limit (about 1000 levels, fewer deep in a call stack): a 2 KiB body gets there
+        raise ProtocolError(f"{kind.name}: the JSON body nests arrays or objects too deeply to decode") from None
     return result
+
+
+# -- Size bounds: ZMQ_MAXMSGSIZE of the sockets that receive from clients ---------------------------------
+# libzmq applies the option to each frame, and closes the connection of a peer that sends a larger one before
+# it is read into memory: that peer's socket reconnects (a DEALER with a new routing id), no other peer sees it.
+_JSON_INT_MAX = max(len(str(-(1 << 63))), len(str((1 << 64) - 1)))  # msgspec's int range, in digits
+_JSON_CHAR_MAX = len(json.dumps("\U0001f600")) - 2  # a character's longest JSON spelling: a surrogate pair
+
+
+def _json_max(t: msgspec.inspect.Type) -> int:
+    """The longest compact JSON of a value of type ``t``; TypeError for a type without such a bound (a
+    message a client sends may hold only ints and strings with a max_length)."""
+    if isinstance(t, msgspec.inspect.IntType):
+        return _JSON_INT_MAX
+    if isinstance(t, msgspec.inspect.StrType) and t.max_length is not None:
+        return 2 + t.max_length * _JSON_CHAR_MAX
+    if isinstance(t, msgspec.inspect.StructType):
+        fields = t.fields
+        return 2 + max(len(fields) - 1, 0) + sum(len(f.encode_name) + 3 + _json_max(f.type) for f in fields)
+    raise TypeError(f"{t} has no bounded JSON size: give it a msgspec.Meta(max_length=...)")
+
+
+CLIENT_CONTROL_TYPES: tuple[type[msgspec.Struct], ...] = (Hello, Attached, Bye, Health, StatsRequest)
+# The longest body a client sends to broker.sock: every int at 20 digits, Hello.name at HELLO_NAME_MAX
+# characters, each in a 12-byte escape (3,204 bytes).
+CONTROL_BODY_MAX = max(_json_max(msgspec.inspect.type_info(t)) for t in CLIENT_CONTROL_TYPES)
+# broker.sock's ZMQ_MAXMSGSIZE: 4x the longest body, room for whitespace a JSON library adds and for the
+# fields of a later revision (the broker ignores unknown fields)
+CONTROL_MAXMSGSIZE = 4 * CONTROL_BODY_MAX
 
 
 def decode_as(frames: list[bytes], expected: type[T]) -> T:
@@ -437,6 +477,30 @@ TENSOR_ROWS = struct.Struct("<q")
 DONE_HEADER = struct.Struct("<IIII")  # session_id, n_results, n_tensors, text_bytes
 RESULT = struct.Struct("<QIIIIIIII")  # request_id, slot, generation, status, first_tensor, n_tensors,
 # msg_offset, msg_len, reserved
+
+
+def _ceiling(config: type[msgspec.Struct], name: str) -> int:
+    """The largest value a config section allows for its int field ``name`` (its ``Meta(le=...)``)."""
+    info = msgspec.inspect.type_info(config)
+    for f in info.fields if isinstance(info, msgspec.inspect.StructType) else ():
+        if f.name == name and isinstance(f.type, msgspec.inspect.IntType) and f.type.le is not None:
+            return f.type.le
+    raise TypeError(f"{config.__name__}.{name} declares no upper bound")
+
+
+# A ring's most slots: the ceiling of sessions.max_slots (broker/config.py), which every session is within.
+MAX_SLOTS = _ceiling(SessionsSection, "max_slots")
+# A SUBMIT carries an entry per request in flight, so one per slot, and the late entries of requests a worker
+# took from their hints and answered before the client's coalesced SUBMIT left (PROTOCOL 4.2), a few at most:
+# room for 2 per slot of the largest ring, so 8 per slot of a 1024-slot ring and 512 per slot of a 16-slot one.
+SUBMIT_ENTRIES_PER_SLOT = 2
+MAX_SUBMIT_REQUESTS = SUBMIT_ENTRIES_PER_SLOT * MAX_SLOTS
+
+
+def max_submit_bytes(n_inputs: int) -> int:
+    """The largest legal SUBMIT body for models of at most ``n_inputs`` inputs (one descriptor each): a
+    worker's data socket takes frames up to this (ZMQ_MAXMSGSIZE); 983,064 bytes for one-input models."""
+    return SUBMIT_HEADER.size + MAX_SUBMIT_REQUESTS * (REQUEST.size + n_inputs * TENSOR.size)
 
 
 # The slot header, at the start of every ring slot (PROTOCOL 4): the state word first, written last.
@@ -561,10 +625,18 @@ def _span_ok(first: int, count: int, total: int) -> bool:
     return first <= total and count <= total - first
 
 
-def decode_submit(body: bytes | memoryview) -> SubmitBatch:
-    """Decode a SUBMIT body; every count and tensor span is checked against the body's length."""
+def submit_sender(body: bytes | memoryview) -> tuple[int, int]:
+    """A SUBMIT's session_id and token, from its header alone (PROTOCOL 6, M2): checked before the body is
+    decoded, so a message without the session's token costs no more than this."""
     if len(body) < SUBMIT_HEADER.size:
         raise ProtocolError(f"SUBMIT body of {len(body)} bytes is shorter than its {SUBMIT_HEADER.size}-byte header")
+    session_id, _n_req, _n_t, _flags, token = SUBMIT_HEADER.unpack_from(body)
+    return session_id, token
+
+
+def decode_submit(body: bytes | memoryview) -> SubmitBatch:
+    """Decode a SUBMIT body; every count and tensor span is checked against the body's length."""
+    submit_sender(body)  # M2: the header is there
     session_id, n_req, n_t, _flags, token = SUBMIT_HEADER.unpack_from(body)
     _check_table("SUBMIT", len(body), SUBMIT_HEADER.size, n_req, REQUEST.size, n_t)
     t_start = SUBMIT_HEADER.size + n_req * REQUEST.size

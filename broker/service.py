@@ -66,7 +66,9 @@ class Broker:
         self._pending_hellos: list[tuple[bytes, P.Hello, float]] = []
         self._stats: dict[int, StatsQuery] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.control = self._bind(runtime.CONTROL_SOCKET)
+        # any client may send here: ZeroMQ closes the connection of one that sends a frame over the largest legal
+        # control message, before it is read into memory
+        self.control = self._bind(runtime.CONTROL_SOCKET, P.CONTROL_MAXMSGSIZE)
         self.workers_sock = self._bind(runtime.WORKERS_SOCKET)
         self._closed = False
         self._fatal = ""  # a start-up check failed (e.g. /dev/shm too small): serve() stops and raises it
@@ -85,10 +87,13 @@ class Broker:
         with os.fdopen(fd, "w") as f:
             f.write(self.instance + "\n")
 
-    def _bind(self, name: str) -> zmq.Socket[bytes]:
+    def _bind(self, name: str, max_frame: int = -1) -> zmq.Socket[bytes]:
+        """A ROUTER bound to ``name`` in the runtime dir; ``max_frame`` (ZMQ_MAXMSGSIZE, -1: none) bounds what a
+        peer may send in one frame."""
         s = self._ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a silent drop
+        s.setsockopt(zmq.MAXMSGSIZE, max_frame)
         addr = runtime.endpoint(self.runtime_dir, name)
         s.bind(addr)
         runtime.secure_socket_file(addr, self.cfg.file_mode, self.cfg.group_id())
@@ -357,12 +362,15 @@ class Broker:
             self._maybe_ready(s)
 
     def _worker_died(self, w: WorkerSlot) -> None:
+        """``w`` was reaped: its sessions lose it (WORKER_DOWN to their clients), and its reply sockets' files go."""
         for s in list(self.sessions.by_id.values()):
             had = w.worker_id in s.attached or w.worker_id in s.pending_attach
             s.attached.discard(w.worker_id)
             s.pending_attach.discard(w.worker_id)
             s.pending_detach.discard(w.worker_id)
-            s.reply_endpoints.pop(w.worker_id, None)
+            reply = s.reply_endpoints.pop(w.worker_id, None)
+            if reply is not None:
+                self._remove_reply_socket(w.worker_id, s.session_id, reply)
             if had and s.phase is Phase.READY:
                 self._send(self.control, s.identity, P.WorkerDown(w.worker_id, w.reason))
             self._maybe_ready(s)
@@ -370,6 +378,18 @@ class Broker:
         for qid, q in list(self._stats.items()):
             q.waiting.discard(w.worker_id)
             self._finish_stats(qid)
+
+    def _remove_reply_socket(self, worker_id: int, session_id: int, address: str) -> None:
+        """Remove a dead worker's reply socket file: nobody else would before the next broker starts, since its
+        replacement binds names with new nonces. Only a file of this runtime dir named as that worker's socket
+        for that session is removed: the address came from a peer of workers.sock (ATTACH_OK)."""
+        path = Path(address.removeprefix("ipc://"))
+        stem = runtime.reply_socket_name(worker_id, session_id, "").removesuffix(".sock")  # "w<N>-s<S>-"
+        if path.parent == self.runtime_dir and path.name.startswith(stem) and path.suffix == ".sock":
+            runtime.remove_socket_file(address)
+        else:
+            log.warning("worker %d's reply endpoint for session %d is not one of its socket files in %s; "
+                        "left in place", worker_id, session_id, self.runtime_dir)
 
     # -- timers ---------------------------------------------------------------------------------------------
     def _timers(self, now: float) -> None:

@@ -6,6 +6,8 @@ copies the frames into a ring slot, and answers ``[envelope(INLINE_REPLY), JSON 
 output]``. The shared-memory fast path is untouched: workers and the broker see an ordinary session.
 Endpoints: ``ipc://<runtime_dir>/inline.sock`` always; ``tcp://...`` only with ``--tcp`` and then only
 with CURVE (``--curve-secret-file``; ``--curve-clients DIR`` limits callers to the public keys in DIR).
+Every message gets exactly one reply, with its request's id whenever the header has one; the gateway holds at
+most ``--max-pending`` requests and answers one more OVERLOADED at once.
 One gateway per runtime directory: it holds an flock on ``inline.lock`` beside its socket for its whole life,
 so a second one refuses to start, and on exit it removes its socket file if that is still the one it bound.
 docs/PROTOCOL.md section 10 has the bytes.
@@ -21,6 +23,7 @@ import logging
 import math
 import os
 import signal
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,10 @@ import zmq.asyncio
 
 from broker import protocol as P
 from broker import runtime
-from client import AsyncClient, ShmBrokerError
+from client import AsyncClient, BadInput, RequestTimeout, ShmBrokerError
+from client.checks import check_rows
+from client.session import GRACE_S, ModelPlan
+from gpu_worker.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 INLINE_REQUEST = 40  # kinds of the inline socket only; the envelope is the protocol's <u16 version, u16 kind>
@@ -41,6 +47,9 @@ INLINE_MODELS_REPLY = 43  # body InlineModelsReply: the models SETUP carries and
 SOCKET_NAME = "inline.sock"
 LOCK_NAME = "inline.lock"  # not *.sock: the broker's stale-socket cleanup leaves it alone, and it is never unlinked
 MAX_ITEMS_SETTING = "shmbroker inline --max-items"  # what a BAD_SHAPE answer over the session's rows names
+MAX_PENDING_SETTING = "shmbroker inline --max-pending"  # what an OVERLOADED answer of the gateway's names
+DRAIN_S = 10.0  # at a stop, how long the replies of accepted requests may take once the session is closed
+SHUTDOWN_LINGER_MS = 500  # ... and how long ZeroMQ may take to deliver them when the sockets close
 
 
 class InlineTensor(msgspec.Struct, frozen=True):
@@ -80,53 +89,156 @@ class _RequestId(msgspec.Struct):
 _DECODE = msgspec.json.Decoder(InlineRequest)
 _DECODE_ID = msgspec.json.Decoder(_RequestId)
 _ENCODE = msgspec.json.Encoder()
+_MODELS_ENVELOPE = P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_MODELS)
+# The names of section 5.3, and only they: np.dtype() would also take '>f4' (big-endian), '(2,)f4' (a
+# sub-array) or 'float128', none of which the frames can carry.
+_DTYPES: dict[str, np.dtype[Any]] = {P.numpy_dtype(code).name: P.numpy_dtype(code) for code in P.DType}
+_ID_RANGE = range(-(2**63), 2**64)  # ids of 64 bits, signed or unsigned: what a C caller can send and read back
+_MAX_DIM = 2**63 - 1  # a dimension past int64 fits no array and no tensor descriptor
+MAX_TIMEOUT_US = 0xFFFF_FFFF  # timeout_us is a u32 in the SUBMIT it becomes
+MAX_HEADER_BYTES = 65536  # a header of a model with hundreds of inputs fits; one of millions would cost memory
 
 
-class BadMessage(ValueError):
-    """An inline request that does not follow section 10; the text names the part, ``rid`` is the request's id
-    (0 when none could be read)."""
+def _clip(text: str, limit: int = 64) -> str:
+    """``repr(text)``, cut to ``limit`` characters: a caller's string echoed in an error stays small."""
+    r = repr(text)
+    return r if len(r) <= limit else f"{r[:limit]}...' ({len(text)} characters)"
 
-    def __init__(self, message: str, rid: int = 0) -> None:
+
+class Refused(ValueError):
+    """An inline request answered with an error before it reaches the session: ``code`` (BAD_MESSAGE, or the
+    protocol's code for a request that does not fit its model), the text naming the field, and ``rid``, the
+    request's id (0 when none could be read)."""
+
+    def __init__(self, message: str, rid: int = 0, code: str = "BAD_MESSAGE") -> None:
         super().__init__(message)
         self.rid = rid
+        self.code = code
+
+
+class BadMessage(Refused):
+    """A Refused whose code is BAD_MESSAGE: the request does not follow section 10."""
 
 
 def _header_id(header: bytes) -> int:
-    """The header's integer ``id`` when it has one, even if the rest of it is wrong; else 0."""
+    """The header's integer ``id`` when it has one of 64 bits, even if the rest of it is wrong; else 0."""
     try:
-        return _DECODE_ID.decode(header).id
+        rid = _DECODE_ID.decode(header).id
     except msgspec.DecodeError:
         return 0
+    return rid if rid in _ID_RANGE else 0
 
 
-def decode_request(frames: list[bytes]) -> tuple[InlineRequest, dict[str, np.ndarray]]:
-    """The header and the input arrays (views of the frames, no copy); BadMessage names what is wrong and, once
-    the header's id could be read, carries it."""
-    if len(frames) < 2 or len(frames[0]) != P.ENVELOPE.size:
-        raise BadMessage(f"expected [envelope (4 bytes), JSON header, one frame per input], got {len(frames)} frames")
+def request_id(frames: list[bytes]) -> int:
+    """The id of a message's header frame when it has a readable one, whatever else is wrong with it; else 0."""
+    return _header_id(frames[1]) if len(frames) >= 2 else 0  # envelope, header
+
+
+def decode_request(frames: list[bytes], models: Mapping[str, ModelPlan],
+                   max_items: int) -> tuple[InlineRequest, dict[str, np.ndarray]]:
+    """The header and the input arrays (views of the frames, no copy), checked against the frames and against
+    ``models`` before any array is made; Refused names the field and carries the id once it could be read."""
+    if len(frames) < 2:  # envelope, header
+        raise BadMessage(f"frames: expected [envelope (4 bytes), JSON header, one frame per input], got "
+                         f"{len(frames)} frames")
+    if len(frames[0]) != P.ENVELOPE.size:
+        raise BadMessage(f"envelope: expected 4 bytes <u16 version, u16 kind>, got {len(frames[0])} bytes",
+                         _header_id(frames[1]))
     version, kind = P.ENVELOPE.unpack(frames[0])
     if version != P.PROTOCOL_VERSION or kind != INLINE_REQUEST:
-        raise BadMessage(f"envelope: expected version {P.PROTOCOL_VERSION} kind {INLINE_REQUEST}, got {version} {kind}")
+        raise BadMessage(f"envelope: expected version {P.PROTOCOL_VERSION} kind {INLINE_REQUEST}, got {version} "
+                         f"{kind}", _header_id(frames[1]))
+    if len(frames[1]) > MAX_HEADER_BYTES:  # decoded, a header takes a few times its size: bound it first
+        raise BadMessage(f"header: {len(frames[1])} bytes, expected at most {MAX_HEADER_BYTES}",
+                         _header_id(frames[1]))
     try:
         req = _DECODE.decode(frames[1])
     except msgspec.DecodeError as exc:
         raise BadMessage(f"header: {exc}", _header_id(frames[1])) from None
+    if req.id not in _ID_RANGE:
+        raise BadMessage(f"id: expected an integer of 64 bits, got one of {req.id.bit_length()} bits")
+    rid = req.id
+    if not 0 <= req.timeout_us <= MAX_TIMEOUT_US:
+        raise BadMessage(f"timeout_us: expected 0 (the model's timeout_ms) to {MAX_TIMEOUT_US}, got "
+                         f"{req.timeout_us}", rid)
     data = frames[2:]
     if len(data) != len(req.inputs):
-        raise BadMessage(f"header names {len(req.inputs)} inputs, {len(data)} data frames follow", req.id)
-    arrays: dict[str, np.ndarray] = {}
-    for i, (t, buf) in enumerate(zip(req.inputs, data, strict=True)):
-        try:
-            dt = np.dtype(t.dtype)
-            P.dtype_code(dt)
-        except (TypeError, P.ProtocolError):
-            raise BadMessage(f"inputs[{i}].dtype: expected a numpy name such as 'float32', got {t.dtype!r}",
-                             req.id) from None
-        if any(d < 0 for d in t.shape) or len(buf) != math.prod(t.shape) * dt.itemsize:
-            raise BadMessage(f"inputs[{i}]: data frame {len(buf)} bytes, expected {math.prod(t.shape)} x "
-                             f"{dt.itemsize} for shape {t.shape}", req.id)
-        arrays[t.name] = np.frombuffer(buf, dt).reshape(t.shape)
+        raise BadMessage(f"frames: the header names {len(req.inputs)} inputs, {len(data)} data frames follow "
+                         f"(one per input, in the header's order)", rid)
+    dtypes = _checked_frames(req, data)
+    _check_model(req, models, max_items)
+    # Only now: the frames hold exactly product(shape) items, and the shapes are the model's, so reshape
+    # neither allocates nor meets a dimension numpy refuses.
+    arrays = {t.name: np.frombuffer(buf, dt).reshape(t.shape) for t, buf, dt in zip(req.inputs, data, dtypes,
+                                                                                      strict=True)}
     return req, arrays
+
+
+def _checked_frames(req: InlineRequest, data: list[bytes]) -> list[np.dtype[Any]]:
+    """Each input's dtype; BadMessage unless its name is new, its dtype one of 5.3's, and its frame holds exactly
+    product(shape) * itemsize bytes. At most MAX_DIMS dimensions, each below 2**63, are multiplied, so the
+    product costs nothing whatever the caller sent, and it is compared with the frame before anything is made."""
+    rid = req.id
+    seen: dict[str, int] = {}
+    dtypes: list[np.dtype[Any]] = []
+    for i, (t, buf) in enumerate(zip(req.inputs, data, strict=True)):
+        if t.name in seen:
+            raise BadMessage(f"inputs[{i}].name: input {_clip(t.name)} is given twice (inputs[{seen[t.name]}] "
+                             f"too); give each input once", rid)
+        seen[t.name] = i
+        dt = _DTYPES.get(t.dtype)
+        if dt is None:
+            raise BadMessage(f"inputs[{i}].dtype: expected one of {sorted(_DTYPES)}, got {_clip(t.dtype)}", rid)
+        if len(t.shape) > P.MAX_DIMS:
+            raise BadMessage(f"inputs[{i}].shape: expected at most {P.MAX_DIMS} dimensions, got {len(t.shape)}",
+                             rid)
+        if not all(0 <= d <= _MAX_DIM for d in t.shape):
+            raise BadMessage(f"inputs[{i}].shape: expected dimensions 0..{_MAX_DIM}, got {t.shape}", rid)
+        expected = math.prod(t.shape) * dt.itemsize
+        if len(buf) != expected:
+            raise BadMessage(f"inputs[{i}]: data frame of {len(buf)} bytes, expected {expected} "
+                             f"({t.dtype} of shape {t.shape})", rid)
+        dtypes.append(dt)
+    return dtypes
+
+
+def _check_model(req: InlineRequest, models: Mapping[str, ModelPlan], max_items: int) -> None:
+    """Refused with the protocol's code (UNKNOWN_MODEL, BAD_INPUT, BAD_DTYPE, BAD_SHAPE) unless the inputs are
+    the model's, with its dtypes and item shapes and one row count the session and the model take."""
+    rid = req.id
+    plan = models.get(req.model)
+    if plan is None:
+        raise Refused(f"model: {_clip(req.model)} is not served; models are {sorted(models)}", rid, "UNKNOWN_MODEL")
+    specs = {s.name: k for k, s in enumerate(plan.info.inputs)}
+    rows = -1
+    for t in req.inputs:
+        k = specs.get(t.name)
+        field = f"inputs[{_clip(t.name)}]"
+        if k is None:
+            raise Refused(f"{field}: model {req.model!r} has no such input; its inputs are {list(specs)}", rid,
+                          "BAD_INPUT")
+        if t.dtype != plan.in_dtypes[k].name:
+            raise Refused(f"{field}.dtype: expected {plan.in_dtypes[k].name}, got {t.dtype}", rid, "BAD_DTYPE")
+        item = plan.in_item_shapes[k]
+        if len(t.shape) != len(item) + 1 or tuple(t.shape[1:]) != item:
+            raise Refused(f"{field}.shape: expected [N, {', '.join(map(str, item))}], got {t.shape}", rid,
+                          "BAD_SHAPE")
+        if rows >= 0 and t.shape[0] != rows:
+            raise Refused(f"{field}.shape[0]: {t.shape[0]} rows, the first input has {rows}", rid, "BAD_SHAPE")
+        rows = t.shape[0]
+        try:
+            check_rows(plan, rows, f"{field}.shape[0]", max_items, MAX_ITEMS_SETTING)
+        except BadInput as exc:
+            raise Refused(exc.message, rid, exc.code) from None
+    missing = [name for name in specs if not any(t.name == name for t in req.inputs)]
+    if missing:
+        raise Refused(f"inputs: model {req.model!r} also takes {missing}; its inputs are {list(specs)}", rid,
+                      "BAD_INPUT")
+
+
+def _asks_models(frames: list[bytes]) -> bool:
+    """An INLINE_MODELS message: answered at once from what the session knows, so never past the cap."""
+    return len(frames) == 2 and frames[0] == _MODELS_ENVELOPE  # envelope, {}
 
 
 def reply_frames(rid: int, status: str, message: str = "", outputs: dict[str, np.ndarray] | None = None) -> list[Any]:
@@ -138,45 +250,136 @@ def reply_frames(rid: int, status: str, message: str = "", outputs: dict[str, np
 
 
 class Gateway:
-    def __init__(self, client: AsyncClient, sock: zmq.asyncio.Socket) -> None:
-        self.client = client
-        self.sock = sock
-        self.tasks: set[asyncio.Task[None]] = set()
+    """The inline sockets of one session. Every message received gets exactly one reply (unless ZeroMQ cannot
+    deliver it: the caller left, or reads none and its queue is full; both are logged); at most
+    ``max_pending`` requests are held at once, and one more is answered OVERLOADED at once."""
 
-    async def handle(self, ident: bytes, frames: list[bytes]) -> None:
-        if len(frames) == 2 and frames[0] == P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_MODELS):
-            answer = InlineModelsReply([p.info for p in self.client.models.values()], self.client.client.max_items)
-            await self.sock.send_multipart([ident, P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_MODELS_REPLY),
-                                            _ENCODE.encode(answer)])
-            return
-        rid = 0  # until the header is read
-        try:
-            req, arrays = decode_request(frames)
-            rid = req.id
-            timeout = req.timeout_us / 1e6 if req.timeout_us > 0 else None
-            out = await self.client.infer(req.model, arrays, timeout)
-            plan = self.client.models[req.model]
-            outs = out if isinstance(out, dict) else {plan.info.outputs[0].name: out}
-            reply = reply_frames(rid, "OK", "", outs)
-        except BadMessage as exc:
-            reply = reply_frames(exc.rid, "BAD_MESSAGE", str(exc))
-        except ShmBrokerError as exc:
-            reply = reply_frames(rid, exc.code, exc.message)
-        await self.sock.send_multipart([ident, *reply], copy=False)
+    def __init__(self, client: AsyncClient, sockets: list[zmq.asyncio.Socket], max_pending: int) -> None:
+        self.client = client
+        self.sockets = sockets
+        self.max_pending = max_pending
+        # Requests accepted and not finished: being checked, waiting for a slot, in a slot, or answered TIMEOUT
+        # while the worker may still use their slot (PROTOCOL 5.7). What they hold (frames, a slot) is what the
+        # cap bounds: memory is about max_pending times the largest request.
+        self.held = 0
+        # One slot per request, taken before AsyncClient.infer and given back only once its call is over: so
+        # that call never waits for a slot, a wait that would block the event loop (Client._wait_for_slot),
+        # and a request is never cancelled once submitted, which would free the slot the worker still uses.
+        self.slots = asyncio.Semaphore(client.client.segment.layout.n_slots)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._undelivered = RateLimitedLog(log)  # a caller that floods and reads nothing would flood the log
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Receive on every socket until ``stop``; then ``drain`` answers what was accepted."""
+        await asyncio.gather(*(self._receive(sock, stop) for sock in self.sockets))
+
+    async def _receive(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> None:
         waiter = asyncio.ensure_future(stop.wait())
         while not stop.is_set():
-            recv = asyncio.ensure_future(self.sock.recv_multipart())
+            recv = asyncio.ensure_future(sock.recv_multipart())
             await asyncio.wait({recv, waiter}, return_when=asyncio.FIRST_COMPLETED)
             if not recv.done():
                 recv.cancel()
                 break
             ident, *frames = recv.result()
-            task = asyncio.create_task(self.handle(ident, frames))
+            if self.held >= self.max_pending and not _asks_models(frames):
+                # answered here, nothing decoded past the id: past the cap a request costs one small reply
+                rid = request_id(frames)
+                await self._send(sock, ident, rid, "OVERLOADED", reply_frames(
+                    rid, "OVERLOADED", f"the gateway holds {self.held} requests, its limit ({MAX_PENDING_SETTING} "
+                    f"{self.max_pending}): try again later, or raise it"))
+                continue
+            self.held += 1
+            task = asyncio.create_task(self._answer(sock, ident, frames))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
         waiter.cancel()
+
+    async def drain(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the replies of the requests accepted (after ``client.close``, which
+        answers what is left in flight); any still unanswered then are logged."""
+        if self.tasks:
+            _done, late = await asyncio.wait(set(self.tasks), timeout=timeout)
+            if late:
+                log.warning("%d requests still unanswered %.0f s after the stop; they get no reply", len(late),
+                            timeout)
+
+    async def _answer(self, sock: zmq.asyncio.Socket, ident: bytes, frames: list[bytes]) -> None:
+        """One reply to one accepted message, whatever it holds; ``held`` drops once nothing of it is left."""
+        inner: asyncio.Future[Any] | None = None
+        rid = 0
+        status = "OK"
+        try:
+            if _asks_models(frames):
+                answer = InlineModelsReply([p.info for p in self.client.models.values()],
+                                           self.client.client.max_items)
+                reply = [P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_MODELS_REPLY), _ENCODE.encode(answer)]
+            else:
+                req, arrays = decode_request(frames, self.client.models, self.client.client.max_items)
+                rid = req.id
+                reply, status, inner = await self._infer(req, arrays)
+        except Refused as exc:
+            rid, status = exc.rid, exc.code
+            reply = reply_frames(rid, status, str(exc))
+        except ShmBrokerError as exc:
+            status = exc.code
+            reply = reply_frames(rid, status, exc.message)
+        except Exception as exc:  # a fault of the gateway's must cost neither this reply nor the receive loop
+            log.exception("request %d: the gateway failed on it", rid)
+            rid, status = rid or request_id(frames), "INTERNAL"
+            reply = reply_frames(rid, status, f"the gateway failed on this request: {exc!r}")
+        await self._send(sock, ident, rid, status, reply)
+        if inner is None:
+            self.held -= 1
+        else:
+            inner.add_done_callback(self._inner_over)
+
+    async def _infer(self, req: InlineRequest,
+                     arrays: dict[str, np.ndarray]) -> tuple[list[Any], str, asyncio.Future[Any] | None]:
+        """The reply, its status, and the session call when it is still running. A request not answered within
+        its timeout (from its arrival: the wait for a slot counts) plus GRACE_S is answered TIMEOUT, and its call
+        goes on until the worker answers or dies, holding its slot, as the worker may still use it (PROTOCOL 5.7)."""
+        plan = self.client.models[req.model]  # decode_request checked it is served
+        timeout = req.timeout_us / 1e6 if req.timeout_us else plan.info.timeout_ms / 1e3
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            async with asyncio.timeout(timeout):
+                await self.slots.acquire()
+        except TimeoutError:
+            raise RequestTimeout(f"no free slot within {timeout:g} s: all {self.client.client.segment.layout.n_slots} "
+                                 f"slots of the gateway's session are in flight (raise shmbroker inline --slots, "
+                                 f"or timeout_us)") from None
+        left = timeout - (loop.time() - start)
+        if left <= 0:
+            self.slots.release()
+            raise RequestTimeout(f"no free slot within {timeout:g} s")
+        inner = asyncio.ensure_future(self.client.infer(req.model, arrays, left))
+        inner.add_done_callback(lambda _f: self.slots.release())
+        await asyncio.wait({inner}, timeout=left + GRACE_S)
+        if not inner.done():
+            return reply_frames(req.id, "TIMEOUT", f"no answer from the worker within {timeout + GRACE_S:g} s "
+                                f"(timeout_us, else the model's timeout_ms, plus {GRACE_S:g} s)"), "TIMEOUT", inner
+        out = inner.result()
+        outs = out if isinstance(out, dict) else {plan.info.outputs[0].name: out}
+        return reply_frames(req.id, "OK", "", outs), "OK", None
+
+    def _inner_over(self, inner: asyncio.Future[Any]) -> None:
+        """A call answered TIMEOUT has ended: its slot is free; its result, already replied for, is dropped."""
+        self.held -= 1
+        if not inner.cancelled() and inner.exception() is not None:
+            log.debug("a request answered TIMEOUT ended later with %s", inner.exception())
+
+    async def _send(self, sock: zmq.asyncio.Socket, ident: bytes, rid: int, status: str, reply: list[Any]) -> None:
+        """Send without waiting: ROUTER_MANDATORY makes a reply ZeroMQ cannot deliver an error, logged here, where
+        a ROUTER would otherwise drop it without a word."""
+        try:
+            await sock.send_multipart([ident, *reply], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._undelivered.warning("request %d: %s reply dropped: the caller's queue is full (it reads no "
+                                      "replies)", rid, status)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the caller disconnected before its answer
+            self._undelivered.warning("request %d: %s reply not delivered: %s", rid, status, exc)
 
 
 class GatewayRefused(RuntimeError):
@@ -242,11 +445,19 @@ async def _connect(rd: Path, args: argparse.Namespace, stop: asyncio.Event) -> A
     return None
 
 
-def _tcp_socket(ctx: zmq.asyncio.Context, args: argparse.Namespace) -> zmq.asyncio.Socket:
-    """The TCP ROUTER: CURVE server with the secret key of --curve-secret-file (Z85, 40 characters)."""
-    secret = Path(args.curve_secret_file).read_bytes().strip()
+def _router(ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
+    """A ROUTER for callers: a reply it cannot deliver is an error to log (ROUTER_MANDATORY), not a silent drop."""
     sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.LINGER, SHUTDOWN_LINGER_MS)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    return sock
+
+
+def _tcp_socket(ctx: zmq.asyncio.Context, args: argparse.Namespace) -> zmq.asyncio.Socket:
+    """The TCP ROUTER: CURVE server with the secret key of --curve-secret-file (Z85, 40 characters; the command
+    checked the file's mode and the key's length)."""
+    secret = Path(args.curve_secret_file).read_bytes().strip()
+    sock = _router(ctx)
     sock.curve_server = True
     sock.curve_secretkey = secret
     sock.curve_publickey = zmq.curve_public(secret)
@@ -254,9 +465,9 @@ def _tcp_socket(ctx: zmq.asyncio.Context, args: argparse.Namespace) -> zmq.async
     return sock
 
 
-async def serve(args: argparse.Namespace, on_ready: Any) -> int:
-    """Serve until SIGTERM or SIGINT; GatewayRefused, before anything is bound, when a gateway already serves the
-    runtime directory or it does not exist."""
+async def serve(args: argparse.Namespace, on_ready: Callable[[list[str]], None]) -> int:
+    """Serve until SIGTERM or SIGINT, then answer what was accepted before exiting; GatewayRefused, before
+    anything is bound, when a gateway already serves the runtime directory or it does not exist."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -272,8 +483,13 @@ async def serve(args: argparse.Namespace, on_ready: Any) -> int:
             auth = AsyncioAuthenticator(ctx)  # ZAP: only the public keys in the directory may connect over TCP
             auth.start()
             auth.configure_curve(domain="*", location=args.curve_clients)
-        ipc = ctx.socket(zmq.ROUTER)
-        ipc.setsockopt(zmq.LINGER, 0)
+        elif args.tcp:
+            # A warning, not a refusal: CURVE alone still encrypts and authenticates the server, and a gateway on
+            # a closed network whose public key only its callers hold is a working set-up that a refusal would
+            # stop at the upgrade. But the public key is not a secret by design, so say loudly who is served.
+            log.warning("--tcp %s without --curve-clients: any caller that knows this server's public key is "
+                        "served; name the callers' public keys with --curve-clients DIR (docs/DEPLOY.md)", args.tcp)
+        ipc = _router(ctx)
         endpoints = [runtime.endpoint(rd, SOCKET_NAME)]
         ipc.bind(endpoints[0])
         claim.bound()
@@ -284,11 +500,13 @@ async def serve(args: argparse.Namespace, on_ready: Any) -> int:
         client = await _connect(rd, args, stop)
         if client is not None:
             on_ready(endpoints)
-            await asyncio.gather(*(Gateway(client, s).run(stop) for s in sockets))
-            await client.close()
+            gateway = Gateway(client, sockets, args.max_pending)
+            await gateway.run(stop)
+            await client.close()  # requests in flight get CLOSE_WAIT_S; the rest end CLIENT_CLOSED ...
+            await gateway.drain(DRAIN_S)  # ... and each accepted request gets its reply
     finally:
         if auth is not None:
             auth.stop()
-        ctx.destroy(linger=0)
+        ctx.destroy(linger=SHUTDOWN_LINGER_MS)  # the replies just sent still go out
         claim.release()  # after the close: the file goes only once nothing of ours listens on it
     return 0

@@ -3,31 +3,71 @@
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
 
 from broker import proc
+
+# Requests the gateway holds at once (frames, a slot or the wait for one): with 16 slots, enough queued behind
+# them to ride out a burst, and a bound on memory of about this many times the largest request.
+DEFAULT_MAX_PENDING = 256
+CURVE_KEY_CHARS = 40  # a Z85 CURVE key
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tcp", default="", metavar="ENDPOINT",
                     help="also listen on tcp://HOST:PORT (off by default; needs --curve-secret-file)")
-    ap.add_argument("--curve-secret-file", default="", metavar="FILE", help="the server's CURVE secret key (Z85)")
+    ap.add_argument("--curve-secret-file", default="", metavar="FILE",
+                    help="the server's CURVE secret key (Z85); the file must be readable by its owner only (0600)")
     ap.add_argument("--curve-clients", default="", metavar="DIR",
-                    help="only the CURVE public keys in DIR (zmq.auth certificate files) may connect over TCP")
+                    help="only the CURVE public keys in DIR (zmq.auth certificate files) may connect over TCP; "
+                         "without it any caller that knows the server's public key is served (a warning says so)")
     ap.add_argument("--slots", type=int, default=0, help="ring slots, i.e. requests in flight (default: broker's)")
     ap.add_argument("--max-items", type=int, default=0,
                     help="rows per request (default: the broker's [sessions] default_max_items); callers read it "
                          "in INLINE_MODELS_REPLY")
+    ap.add_argument("--max-pending", type=int, default=DEFAULT_MAX_PENDING, metavar="N",
+                    help="requests the gateway holds at once, in slots or waiting for one (memory: about N times "
+                         "the largest request); past it a request is answered OVERLOADED at once "
+                         f"(default {DEFAULT_MAX_PENDING})")
     ap.add_argument("--log-level", default="INFO")
+
+
+def secret_file_refusal(path: str) -> str:
+    """Why the CURVE secret key file cannot be used ('' when it can): it must be a file that only its owner may
+    read or write, as ssh demands of a private key, and hold a 40-character Z85 key."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as fh:
+            key = fh.read(4096).strip()
+    except OSError as exc:
+        return f"--curve-secret-file {path}: cannot read it ({exc.strerror})"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        return (f"--curve-secret-file {path}: mode {mode:04o} lets others than its owner read the server's secret "
+                f"key: run `chmod 600 {path}` (and make a new key pair if others may have read it)")
+    if len(key) != CURVE_KEY_CHARS:
+        return (f"--curve-secret-file {path}: expected a Z85 secret key of {CURVE_KEY_CHARS} characters, got "
+                f"{len(key)} (zmq.curve_keypair() makes one)")
+    return ""
 
 
 def command(args: argparse.Namespace) -> int:
     """``shmbroker inline``: prints ``shmbroker inline: ready on ENDPOINT[ ENDPOINT]`` once it has its session;
-    exits 2 when another gateway serves the runtime directory, or there is none."""
+    exits 2 on a wrong option (naming it), when another gateway serves the runtime directory, or there is none."""
     import uvloop
 
     if args.tcp and not args.curve_secret_file:
         sys.stderr.write("shmbroker: inline: --tcp: expected --curve-secret-file too (TCP needs CURVE)\n")
+        return 2
+    if args.curve_secret_file:
+        why = secret_file_refusal(args.curve_secret_file)
+        if why:
+            sys.stderr.write(f"shmbroker: inline: {why}\n")
+            return 2
+    if args.max_pending < 1:
+        sys.stderr.write(f"shmbroker: inline: --max-pending: expected at least 1, got {args.max_pending}\n")
         return 2
     proc.name_process("shmb-inline")
     proc.setup_logging(args.log_level)

@@ -80,6 +80,11 @@ def _header(body: bytes, header_length: str | None) -> tuple[dict[str, Any], int
         doc = msgspec.json.decode(body[:end])
     except msgspec.DecodeError as exc:
         raise bad(f"request body: expected a JSON object: {exc}") from None
+    except RecursionError:
+        # msgspec recurses once per nesting level and stops at the interpreter's recursion limit (about 1000
+        # levels, fewer under aiohttp's call stack): the caller's JSON, not the server, is at fault
+        raise bad("request body: the JSON nests arrays or objects too deeply to decode (an infer request "
+                  "needs a few levels; send tensor data flat, in row-major order)") from None
     return _object(doc, "request body"), end
 
 

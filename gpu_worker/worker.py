@@ -81,6 +81,10 @@ class Worker:
             self._send_ctl(P.WorkerFailed(self.worker_id, f"{type(exc).__name__}: {exc}"))
             self._close()
             return 3
+        # ZeroMQ closes the connection of a client that sends a frame over the largest legal SUBMIT before
+        # reading it into memory: an 88 MB one would otherwise be read and decoded, whatever its token
+        n_inputs = max(len(m.view.inputs) for m in self.models.values())
+        self._data.setsockopt(zmq.MAXMSGSIZE, P.max_submit_bytes(n_inputs))
         self._data.bind(self.endpoint)
         runtime.secure_socket_file(self.endpoint, self.cfg.file_mode, self.cfg.group_id())
         for m in self.models.values():
@@ -195,18 +199,25 @@ class Worker:
         try:
             if P.read_envelope(frames) != P.MsgKind.SUBMIT:
                 raise P.ProtocolError("the data socket takes only SUBMIT")
-            batch = P.decode_submit(frames[1])
+            sid, token = P.submit_sender(frames[1])
         except P.ProtocolError as exc:
             self._drop(P.DropReason.MALFORMED)
             self._badlog.warning("dropped a malformed data message: %s", exc)
             return
-        session = self.sessions.get(batch.session_id)
-        if session is None or session.token != batch.token or session.detaching:
+        # the header's session and token first (PROTOCOL 6: M6 before M3-M5): a message without the session's
+        # token is dropped for the cost of a header, never decoded
+        session = self.sessions.get(sid)
+        if session is None or session.token != token or session.detaching:
             reason = (P.DropReason.UNKNOWN_SESSION if session is None else
-                      P.DropReason.WRONG_TOKEN if session.token != batch.token else P.DropReason.DETACHING)
+                      P.DropReason.WRONG_TOKEN if session.token != token else P.DropReason.DETACHING)
             self._drop(reason)
-            self._badlog.warning("dropped a SUBMIT for session %d: unknown, detaching, or wrong token",
-                                 batch.session_id)
+            self._badlog.warning("dropped a SUBMIT for session %d: unknown, detaching, or wrong token", sid)
+            return
+        try:
+            batch = P.decode_submit(frames[1])
+        except P.ProtocolError as exc:
+            self._drop(P.DropReason.MALFORMED)
+            self._badlog.warning("dropped a malformed data message: %s", exc)
             return
         rejected: list[P.Result] = []
         freed: list[int] = []  # slots this message claimed and that are answered now, and their statuses

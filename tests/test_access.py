@@ -173,6 +173,7 @@ def test_tcp_endpoint_refuses_unauthenticated_clients(process_broker: RunningBro
 
     server_public, server_secret = zmq.curve_keypair()
     (tmp_path / "server.key").write_bytes(server_secret)
+    (tmp_path / "server.key").chmod(0o600)  # the gateway refuses a key that others may read
     allowed = tmp_path / "clients"
     allowed.mkdir()
     _pub, secret_path = zmq.auth.create_certificates(str(tmp_path), "client")

@@ -189,6 +189,7 @@ def test_tcp_with_curve_serves_an_authorised_client(tmp_path: Path) -> None:
     server_public, server_secret = zmq.curve_keypair()
     secret_file = tmp_path / "server.key"
     secret_file.write_bytes(server_secret)
+    secret_file.chmod(0o600)  # the gateway refuses a secret key others may read
     allowed = tmp_path / "clients"
     allowed.mkdir()
     _public_file, secret_path = zmq.auth.create_certificates(str(tmp_path), "client")
