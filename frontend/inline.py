@@ -34,10 +34,10 @@ import zmq.asyncio
 
 from broker import protocol as P
 from broker import runtime
+from broker.ratelog import RateLimitedLog
 from client import AsyncClient, BadInput, RequestTimeout, ShmBrokerError
 from client.checks import check_rows
 from client.session import GRACE_S, ModelPlan
-from gpu_worker.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 INLINE_REQUEST = 40  # kinds of the inline socket only; the envelope is the protocol's <u16 version, u16 kind>

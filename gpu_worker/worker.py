@@ -21,12 +21,12 @@ from broker import protocol as P
 from broker import runtime
 from broker.config import Config
 from broker.protocol import STATE_GEN, TENSOR_ROWS, TENSOR_ROWS_AT, SlotState
+from broker.ratelog import RateLimitedLog
 from broker.ring import RingError
 from broker.spin import SpinPolicy
 from gpu_worker.hints import Watch, hinted_submit
 from gpu_worker.intake import Rejected, check_slot, check_tensors
 from gpu_worker.models import ServedModel, build_models, model_info, overloaded_message
-from gpu_worker.ratelog import RateLimitedLog
 from gpu_worker.sessions import WorkerSession
 from gpu_worker.work import Work, reply
 
