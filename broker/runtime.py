@@ -41,8 +41,29 @@ def resolve_why(configured: str = "", server: bool = False) -> tuple[Path, str]:
     xdg = os.environ.get("XDG_RUNTIME_DIR", "")
     if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
         return Path(xdg) / "shmbroker", f"under $XDG_RUNTIME_DIR, as neither ${ENV_VAR} nor {SYSTEM_DIR} is there"
-    return (Path(tempfile.gettempdir()) / f"shmbroker-{os.getuid()}",
+    return (fallback_dir(),
             f"this user's fallback, as neither ${ENV_VAR}, {SYSTEM_DIR} nor $XDG_RUNTIME_DIR is there")
+
+
+def fallback_dir() -> Path:
+    """The per-user directory in the shared temporary directory, where another user could have made it first."""
+    return Path(tempfile.gettempdir()) / f"shmbroker-{os.getuid()}"
+
+
+def squatted(runtime_dir: Path) -> str:
+    """Why a client must not use ``runtime_dir`` ("" when it may): the per-user fallback when someone else owns it
+    or others may write in it, so that a broker listening there could be anyone's."""
+    if runtime_dir != fallback_dir():
+        return ""  # a configured, system or XDG directory belongs to whoever runs the broker there
+    try:
+        st = runtime_dir.stat()
+    except FileNotFoundError:
+        return ""
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return (f"the runtime directory {runtime_dir} is owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o}, "
+                f"not by this user (uid {os.getuid()}) and private: a broker there could be anyone's. Remove it, or "
+                f"set ${ENV_VAR} to the broker's directory")
+    return ""
 
 
 def broker_absent(runtime_dir: Path) -> bool:

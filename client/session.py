@@ -203,8 +203,12 @@ def handshake(ctl: zmq.Socket[bytes], slots: int, max_items: int, name: str, tim
 
 def find_broker(runtime_dir: str | os.PathLike[str] | None, given_as: str) -> Path:
     """The runtime directory to use (``runtime_dir``, else ``runtime.resolve()``); NoBroker at once when no
-    broker listens there, naming the directory and how it was chosen (``given_as`` when it was given)."""
+    broker listens there, naming the directory and how it was chosen (``given_as`` when it was given);
+    HandshakeError (UNSAFE_RUNTIME_DIR) for a per-user fallback directory that another user owns or may write."""
     rd, how = (Path(runtime_dir), f"given as {given_as}") if runtime_dir is not None else runtime.resolve_why()
+    squat = runtime.squatted(rd)
+    if squat:
+        raise HandshakeError(squat, "UNSAFE_RUNTIME_DIR")
     if runtime.broker_absent(rd):
         raise NoBroker(f"no broker serves the runtime directory {rd} ({how}): start `shmbroker serve`, or name "
                        f"the broker's directory with ${runtime.ENV_VAR} or {given_as}")

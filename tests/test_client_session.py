@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from broker import runtime
-from client import AsyncClient, Client, NoBroker
+from client import AsyncClient, Client, HandshakeError, NoBroker
 from tests.conftest import RunningBroker
 
 WAIT_S = 60.0  # the handshake's timeout in these tests: failing well inside it shows that nothing waited
@@ -51,3 +53,34 @@ def test_a_live_broker_is_found(process_broker: RunningBroker) -> None:
     assert not runtime.broker_absent(process_broker.runtime_dir)
     with Client(process_broker.runtime_dir) as c:
         c.infer("tiny", np.ones((1, 256), np.float32))
+
+
+@pytest.fixture
+def fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Resolution falls through to the per-user directory, made here in ``tmp_path`` (standing in for /tmp)."""
+    monkeypatch.delenv(runtime.ENV_VAR, raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(runtime, "SYSTEM_DIR", tmp_path / "no-run-dir")
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    d = runtime.fallback_dir()
+    d.mkdir()
+    return d
+
+
+def test_a_fallback_directory_others_may_write_is_refused(fallback: Path) -> None:
+    fallback.chmod(0o777)
+    with pytest.raises(HandshakeError) as e:
+        Client(connect_timeout=WAIT_S)
+    assert e.value.code == "UNSAFE_RUNTIME_DIR"
+    assert f"{fallback} is owned by uid {os.getuid()} with mode 777" in str(e.value)
+    fallback.chmod(0o700)  # private and this user's: used, and then there is simply no broker
+    _fails_fast(Client)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory to another uid")
+def test_a_fallback_directory_another_user_made_first_is_refused(fallback: Path) -> None:
+    fallback.chmod(0o700)
+    os.chown(fallback, 65534, 65534)
+    with pytest.raises(HandshakeError, match=f"{fallback} is owned by uid 65534 with mode 700") as e:
+        Client(connect_timeout=WAIT_S)
+    assert e.value.code == "UNSAFE_RUNTIME_DIR"
