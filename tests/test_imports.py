@@ -106,3 +106,11 @@ def test_the_command_parser_loads_no_bench_client_or_runtime() -> None:
             "('bench', 'client', 'onnxruntime', 'torch', 'tensorrt', 'aiohttp')))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_the_gpu_engines_load_no_onnxruntime() -> None:
+    """A GPU worker's engines share metadata with the ONNX Runtime engine without importing ONNX Runtime."""
+    code = ("import sys; import gpu_worker.engines.meta, gpu_worker.engines.inductor, gpu_worker.engines.tensorrt, "
+            "gpu_worker.engines.torch; print('onnxruntime' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
+    assert r.stdout.strip() == "False", r.stdout

@@ -1,4 +1,4 @@
-"""Model metadata shared by the GPU engines: IOSpecs from raw dimensions, and the JSON sidecar of a model file.
+"""Model metadata shared by every engine: IOSpecs from ONNX types or raw dimensions, and a model file's JSON sidecar.
 
 A sidecar is ``<model file>.json`` next to the model (``nsfw.plan.json``, ``net.pt.json``). Its ``inputs`` and
 ``outputs`` are lists of ``{"name": str, "dtype": numpy dtype name, "shape": [-1, d1, ...]}``; a TensorRT plan's
@@ -17,21 +17,56 @@ from typing import Any
 import numpy as np
 
 from gpu_worker.engines.base import EngineError, IOSpec
-from gpu_worker.engines.onnxruntime import _ORT_TYPES, _spec
 
-_TYPE_NAMES = {dtype: name for name, dtype in _ORT_TYPES.items()}
+# ONNX tensor types as ONNX Runtime names them, and the NumPy dtypes that carry them
+ONNX_TYPES: dict[str, np.dtype[Any]] = {
+    "tensor(float)": np.dtype("float32"),
+    "tensor(float16)": np.dtype("float16"),
+    "tensor(double)": np.dtype("float64"),
+    "tensor(int8)": np.dtype("int8"),
+    "tensor(uint8)": np.dtype("uint8"),
+    "tensor(int16)": np.dtype("int16"),
+    "tensor(uint16)": np.dtype("uint16"),
+    "tensor(int32)": np.dtype("int32"),
+    "tensor(uint32)": np.dtype("uint32"),
+    "tensor(int64)": np.dtype("int64"),
+    "tensor(uint64)": np.dtype("uint64"),
+    "tensor(bool)": np.dtype("bool"),
+}
+
+
+def spec_of(arg: Any, role: str) -> IOSpec:
+    """The IOSpec of an ONNX graph input or output (``name``, ``type`` as "tensor(float)", ``shape``); EngineError
+    for a type shmbroker does not carry or a shape that does not batch along a dynamic first dimension."""
+    dtype = ONNX_TYPES.get(arg.type)
+    if dtype is None:
+        raise EngineError(f"{role} {arg.name!r} has type {arg.type}, which shmbroker does not carry")
+    shape = list(arg.shape)
+    if not shape:
+        raise EngineError(f"{role} {arg.name!r} is a scalar; shmbroker needs a leading batch dimension")
+    if isinstance(shape[0], int) and shape[0] > 0:
+        raise EngineError(
+            f"{role} {arg.name!r} has a fixed first dimension {shape[0]}; shmbroker batches along a dynamic one"
+        )
+    rest = shape[1:]
+    if not all(isinstance(d, int) and d > 0 for d in rest):
+        raise EngineError(f"{role} {arg.name!r} has dynamic dimensions {rest} after the batch dimension")
+    return IOSpec(arg.name, dtype, (-1, *rest))
+
+
+_TYPE_NAMES = {dtype: name for name, dtype in ONNX_TYPES.items()}
 
 
 def spec_from_dims(name: str, dtype: np.dtype[Any], dims: Sequence[int | str | None], role: str) -> IOSpec:
     """The IOSpec of one tensor: ``dims[0]`` must be dynamic (-1, None or a symbol), the rest fixed and positive.
 
-    The checks and their messages are the ONNX Runtime engine's, so every engine refuses the same models alike.
+    The checks and their messages are ``spec_of``'s, so every engine refuses the same models alike.
     """
     type_name = _TYPE_NAMES.get(np.dtype(dtype))
     if type_name is None:
         raise EngineError(f"{role} {name!r} has type {np.dtype(dtype)}, which shmbroker does not carry")
     shape = ["N" if d is None or (isinstance(d, int) and d < 0) else d for d in dims]
-    return _spec(SimpleNamespace(name=name, type=type_name, shape=shape), role)
+    return spec_of(SimpleNamespace(name=name, type=type_name, shape=shape), role)
 
 
 def sidecar_path(model_path: str) -> str:

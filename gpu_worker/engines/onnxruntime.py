@@ -3,47 +3,14 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-from gpu_worker.engines.base import EngineError, IOSpec
+from gpu_worker.engines.base import EngineError
+from gpu_worker.engines.meta import spec_of
 
 log = logging.getLogger(__name__)
-
-_ORT_TYPES: dict[str, np.dtype[Any]] = {
-    "tensor(float)": np.dtype("float32"),
-    "tensor(float16)": np.dtype("float16"),
-    "tensor(double)": np.dtype("float64"),
-    "tensor(int8)": np.dtype("int8"),
-    "tensor(uint8)": np.dtype("uint8"),
-    "tensor(int16)": np.dtype("int16"),
-    "tensor(uint16)": np.dtype("uint16"),
-    "tensor(int32)": np.dtype("int32"),
-    "tensor(uint32)": np.dtype("uint32"),
-    "tensor(int64)": np.dtype("int64"),
-    "tensor(uint64)": np.dtype("uint64"),
-    "tensor(bool)": np.dtype("bool"),
-}
-
-
-def _spec(arg: Any, role: str) -> IOSpec:
-    dtype = _ORT_TYPES.get(arg.type)
-    if dtype is None:
-        raise EngineError(f"{role} {arg.name!r} has type {arg.type}, which shmbroker does not carry")
-    shape = list(arg.shape)
-    if not shape:
-        raise EngineError(f"{role} {arg.name!r} is a scalar; shmbroker needs a leading batch dimension")
-    if isinstance(shape[0], int) and shape[0] > 0:
-        raise EngineError(
-            f"{role} {arg.name!r} has a fixed first dimension {shape[0]}; shmbroker batches along a dynamic one"
-        )
-    rest = shape[1:]
-    if not all(isinstance(d, int) and d > 0 for d in rest):
-        raise EngineError(f"{role} {arg.name!r} has dynamic dimensions {rest} after the batch dimension")
-    return IOSpec(arg.name, dtype, (-1, *rest))
-
 
 class OnnxRuntimeEngine:
     """One InferenceSession on the CPU provider; ``run`` is thread-safe (ONNX Runtime allows concurrent runs)."""
@@ -62,8 +29,8 @@ class OnnxRuntimeEngine:
         except Exception as exc:  # ORT raises its own untyped errors for unreadable models
             where = source if isinstance(source, str) else "<model bytes>"
             raise EngineError(f"onnxruntime cannot load {where}: {exc}") from exc
-        self.inputs = [_spec(a, "input") for a in self._session.get_inputs()]
-        self.outputs = [_spec(a, "output") for a in self._session.get_outputs()]
+        self.inputs = [spec_of(a, "input") for a in self._session.get_inputs()]
+        self.outputs = [spec_of(a, "output") for a in self._session.get_outputs()]
         self._output_names = [o.name for o in self.outputs]
         # The public run() re-validates every feed (about 15 us a call on a small box); the worker's intake
         # has already checked names, dtypes and shapes, so call the bound C++ session when it is there.
