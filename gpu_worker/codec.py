@@ -8,6 +8,7 @@ holds ``rows``); anything else takes the detailed checks in ``intake``, which na
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from broker import protocol as P
@@ -22,6 +23,16 @@ DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
 OK = int(P.Status.OK)
 
 
+@dataclass(frozen=True, slots=True)
+class RowsCanon:
+    """A request of ``rows`` rows packed canonically (the worker's twin of the client's ``RowsLayout``)."""
+
+    in_desc_bytes: bytes  # its SUBMIT tensor descriptors, as a well-behaved client packs them
+    in_descs: list[P.TensorDesc]  # the same, decoded: shared by every such request (compared by identity)
+    out_offsets: list[int]  # where its outputs go in its slot's output region
+    out_desc_bytes: bytes  # its DONE tensor descriptors
+
+
 class ModelCodec:
     def __init__(self, model: ModelView) -> None:
         self.model = model
@@ -29,13 +40,11 @@ class ModelCodec:
         self.n_outputs = len(model.outputs)
         self._in_codes = [P.dtype_code(s.dtype) for s in model.inputs]
         self._out_codes = [P.dtype_code(s.dtype) for s in model.outputs]
-        # rows -> (descriptor bytes, descriptors); rows -> (output offsets, output descriptor bytes)
-        self.inputs: dict[int, tuple[bytes, list[P.TensorDesc]]] = {}
-        self.outputs: dict[int, tuple[list[int], bytes]] = {}
+        self.rows: dict[int, RowsCanon] = {}
         for rows in range(1, model.max_batch + 1):
-            self.inputs[rows] = self._canon(model.inputs, self._in_codes, rows)
-            descs_bytes, descs = self._canon(model.outputs, self._out_codes, rows)
-            self.outputs[rows] = ([d.offset for d in descs], descs_bytes)
+            in_bytes, in_descs = self._canon(model.inputs, self._in_codes, rows)
+            out_bytes, out_descs = self._canon(model.outputs, self._out_codes, rows)
+            self.rows[rows] = RowsCanon(in_bytes, in_descs, [d.offset for d in out_descs], out_bytes)
 
     @staticmethod
     def _canon(specs: list[IOSpec], codes: list[P.DType], rows: int) -> tuple[bytes, list[P.TensorDesc]]:
@@ -52,11 +61,11 @@ class ModelCodec:
         tensors = []
         n_t = 0
         n_out = self.n_outputs
-        outputs = self.outputs
+        canon = self.rows
         pack, ok = P.RESULT.pack, OK  # locals: read once per DONE, not per request
         for w in done:
             req = w.req
             records.append(pack(req.request_id, req.slot, req.generation, ok, n_t, n_out, 0, 0, 0))
-            tensors.append(outputs[w.rows][1])
+            tensors.append(canon[w.rows].out_desc_bytes)
             n_t += n_out
         return [DONE_ENVELOPE, P.done_body(session_id, records, tensors, n_t)]

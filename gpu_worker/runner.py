@@ -201,8 +201,8 @@ class ModelRunner(BatchRunner):
         names = self._names
         if len(works) == 1:  # the slot itself is the batch: no copy
             w = works[0]
-            canon = self.codec.inputs.get(w.rows)
-            if canon is not None and w.req.tensors is canon[1]:
+            canon = self.codec.rows.get(w.rows)
+            if canon is not None and w.req.tensors is canon.in_descs:
                 return self._slot_views(w)[0], w.rows
             # offsets of its own: views for this request only
             return dict(zip(names, input_arrays(w.session, w.req, self.model), strict=True)), w.rows
@@ -226,12 +226,12 @@ class ModelRunner(BatchRunner):
         sources = [np.ascontiguousarray(a, dtype=s.dtype).data.cast("B") for a, s in zip(outputs, self.model.outputs,
                                                                                           strict=True)]
         item_bytes = self._out_item_bytes
-        canon = self.codec.outputs
+        canon = self.codec.rows
         row = 0
         for w in works:
             seg, rows = w.session.segment, w.rows
             base = seg.layout.output_bases[w.req.slot]
-            for src, ib, off in zip(sources, item_bytes, canon[rows][0], strict=True):
+            for src, ib, off in zip(sources, item_bytes, canon[rows].out_offsets, strict=True):
                 # canonical offsets, which fit out_capacity for every row count the session allows
                 start = base + off
                 seg.buf[start : start + rows * ib] = src[row * ib : (row + rows) * ib]
@@ -253,8 +253,8 @@ class ModelRunner(BatchRunner):
         if views is None:
             seg, slot, rows = w.session.segment, w.req.slot, w.rows
             ins = {s.name: seg.input_view(slot, d.offset, s.dtype, d.shape)
-                   for d, s in zip(self.codec.inputs[rows][1], self.model.inputs, strict=True)}
+                   for d, s in zip(self.codec.rows[rows].in_descs, self.model.inputs, strict=True)}
             outs = [seg.output_view(slot, off, s.dtype, (rows, *s.item_shape))
-                    for off, s in zip(self.codec.outputs[rows][0], self.model.outputs, strict=True)]
+                    for off, s in zip(self.codec.rows[rows].out_offsets, self.model.outputs, strict=True)]
             views = w.session.views[key] = (ins, outs)
         return views

@@ -100,12 +100,12 @@ class CopyPlan:
         sizes: list[int] = []
         row = 0
         out_items = self.out_items
-        offsets = self.codec.outputs
+        canon = self.codec.rows
         for w in works:
             session = w.session
             base = session.segment.address + session.layout.output_bases[w.req.slot]
             rows = w.rows
-            for k, off in enumerate(offsets[rows][0]):  # canonical offsets fit every row count the session allows
+            for k, off in enumerate(canon[rows].out_offsets):  # fit every row count the session allows
                 dsts.append(base + off)
                 srcs.append(ptrs[k] + row * out_items[k])
                 sizes.append(rows * out_items[k])

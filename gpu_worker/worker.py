@@ -24,6 +24,7 @@ from broker.protocol import STATE_GEN, TENSOR_ROWS, TENSOR_ROWS_AT, SlotState
 from broker.ratelog import RateLimitedLog
 from broker.ring import RingError
 from broker.spin import SpinPolicy
+from gpu_worker.codec import RowsCanon
 from gpu_worker.hints import Watch, hinted_submit
 from gpu_worker.intake import Rejected, check_slot, check_tensors
 from gpu_worker.models import ServedModel, build_models, model_info, overloaded_message
@@ -270,7 +271,7 @@ class Worker:
         # mostly for one model, so most records skip these lookups
         last_id = -1
         n_in = 0
-        canons: dict[int, tuple[bytes, list[P.TensorDesc]]] = {}
+        canons: dict[int, RowsCanon] = {}
         default_s = 0.0
         entries: list[Work] = []
         for rid, slot, gen, model_id, first, count, timeout_us in P.REQUEST.iter_unpack(records):
@@ -281,7 +282,7 @@ class Worker:
                 m = self.models.get(model_id)
                 if m is None:
                     return False
-                last_id, n_in, canons = model_id, m.runner.codec.n_inputs, m.runner.codec.inputs
+                last_id, n_in, canons = model_id, m.runner.codec.n_inputs, m.runner.codec.rows
                 default_s = m.view.timeout_ms / 1e3
                 group = by_model.get(model_id)
                 if group is None:
@@ -292,13 +293,13 @@ class Worker:
             start = t_base + t_size * first
             rows = TENSOR_ROWS.unpack_from(body, start + TENSOR_ROWS_AT)[0]
             canon = canons.get(rows)
-            # canon[0] is exactly count descriptors long: startswith compares them in place, without a copy
-            if canon is None or rows > max_items or not body.startswith(canon[0], start):
+            # in_desc_bytes is exactly count descriptors long: startswith compares them in place, without a copy
+            if canon is None or rows > max_items or not body.startswith(canon.in_desc_bytes, start):
                 return False
             state, generation = STATE_GEN.unpack_from(buf, bases[slot])
             if state != SUBMITTED or generation != gen:
                 return False
-            entries.append(Work(session, P.SubmitRequest(rid, slot, gen, model_id, timeout_us, canon[1]), rows,
+            entries.append(Work(session, P.SubmitRequest(rid, slot, gen, model_id, timeout_us, canon.in_descs), rows,
                                 now + (timeout_us / 1e6 if timeout_us else default_s), now))
             slots.append(slot)
         if session.detaching or not session.claim_slots(slots):
@@ -306,7 +307,8 @@ class Worker:
         for key in taken:
             del hinted[key]
         if n_req == 1 and slots:  # one request at a time: its client will reuse the slot it gets back
-            req = next(iter(by_model.values()))[1][0].req
+            _model, first_entries = next(iter(by_model.values()))
+            req = first_entries[0].req
             self._watch = Watch(session, req.slot, (req.generation + 1) & 0xFFFF_FFFF)
         elif slots:  # requests coalesced: batches matter more than one round trip, and a hint would be a
             self._watch = None  # batch of one taken ahead of the rest
