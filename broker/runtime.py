@@ -67,22 +67,9 @@ def squatted(runtime_dir: Path) -> str:
 
 
 def broker_absent(runtime_dir: Path) -> bool:
-    """True when no process listens on the broker's control socket: no socket file, or one that refuses
-    connections (left by a broker that died). False when one listens, or when this user may not tell (the
-    handshake then says why)."""
-    path = str(runtime_dir / CONTROL_SOCKET)
-    if len(path.encode()) >= 108:  # sun_path's limit: leave it to the handshake, which reports the failure
-        return False
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
-        return True
-    except OSError:  # EACCES and the like: not ours to judge here
-        return False
-    finally:
-        probe.close()
-    return False
+    """True when no process listens on the broker's control socket (no file, or one left by a broker that
+    died); False when one listens, or when this user may not tell (the handshake then says why)."""
+    return not has_listener(runtime_dir / CONTROL_SOCKET)
 
 
 def endpoint(runtime_dir: Path, name: str) -> str:
@@ -156,7 +143,7 @@ def has_listener(path: Path) -> bool:
     probe.setblocking(False)  # a listener with a full backlog answers EAGAIN at once instead of blocking us: live
     try:
         probe.connect(str(path))
-    except (FileNotFoundError, ConnectionRefusedError):
+    except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
         return False
     except OSError:  # EAGAIN, EACCES, not a stream socket: not ours to remove
         return True
