@@ -4,8 +4,9 @@ Each round measures, on the bench's own broker and the ``tiny`` model: the callb
 ``--processes`` processes), Futures (``Client.submit``, the same processes, each waiting on its oldest Future
 before it submits the next) and ``AsyncClient`` (one process, one task per request in flight). No API inspects
 its answers inside the window (the end-to-end tests check them), so none pays for it. Every API keeps
-``--in-flight`` requests in flight in all. The targets (issue 19, CPU): Futures and AsyncClient each at least 0.8 x the
+``--in-flight`` requests in flight in all. The targets: Futures and AsyncClient each at least 0.8 x the
 callbacks, the median of the rounds' ratios. JSON on stdout (``--out`` for a file), progress on stderr.
+Figures: bench/RESULTS.md#client-apis.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPU bench's targets (issue 3) and its human table."""
+"""The GPU bench's targets and its human table (figures: bench/RESULTS.md#gpu-path-h200)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ against the engine in-process at batch 1 with 1 and 2 threads, all in one run, i
 
 The broker runs the config (default ``configs/default.toml``) with ``models.MODEL.idle_dispatch`` set each
 way; one client calls ``infer`` ``--requests`` times in a row after a warm-up. JSON on stdout (``--out`` for
-a file), progress on stderr. The target (issue 19, CPU): the broker's p50 with idle dispatch at most 1.25 x
-the better in-process p50.
+a file), progress on stderr. The target: the broker's p50 with idle dispatch at most 1.25 x
+the better in-process p50. Figures: bench/RESULTS.md#idle-dispatch.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ class SpinPolicy:
 
     The share of hits, not the mean gap, decides: on a virtual machine whose host preempts it, a few long
     pauses lift the mean past the window while most events still come within it, and sleeping then costs
-    the most (bench/RESULTS.md, seventh session).
+    the most (bench/RESULTS.md#spin-policy-and-io-thread-reach).
     """
 
     def __init__(self, spin_ns: int, reach: int = 1) -> None:

@@ -14,7 +14,9 @@ import time
 
 from broker.ring import Segment
 
-HINT_WAIT_NS = 50_000  # a spinning worker takes a hint within about 10 us on the 2-core VM
+# a spinning worker takes a hint within about 10 us: the rest is room for a preempted one
+# (bench/RESULTS.md#python-cost-per-request)
+HINT_WAIT_NS = 50_000
 MISSES_BEFORE_PAUSE = 2
 PAUSE_REQUESTS = 256
 

@@ -37,7 +37,8 @@ DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
 SLOT_ANSWERS = platform.machine().lower() in ("x86_64", "amd64")
 # The IO thread spins after answers while most answers come within this many of its windows (broker.spin's
 # reach), not one: it spins only while requests are in flight, and it is on a slow or preempted machine,
-# with answers 1-2 ms apart, that sleeping between them costs the most (bench/RESULTS.md, seventh session).
+# with answers 1-2 ms apart, that sleeping between them costs the most
+# (bench/RESULTS.md#spin-policy-and-io-thread-reach).
 IO_SPIN_REACH = 4
 
 
@@ -141,7 +142,7 @@ class Receiving:
         answers came within ``IO_SPIN_REACH`` windows of the client's ``spin_us`` (broker.spin), it polls
         without sleeping until one comes or the window ends. Why: on small and virtual machines a thread
         woken from sleep costs tens of microseconds more per wake-up, and it is woken once per DONE message
-        (bench/RESULTS.md, sixth and seventh sessions)."""
+        (bench/RESULTS.md#io-thread-spin)."""
         spin = self._io_spin
         if spin.until and self._pending:
             clock = time.perf_counter_ns

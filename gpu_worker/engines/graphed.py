@@ -70,7 +70,7 @@ def graph_ladder(max_batch: int) -> list[int]:
     quarter more rows.
 
     Why not every size: each captured graph keeps its own memory, about 190 MB per size for open-nsfw, so
-    256 sizes on 4 stream slots do not fit an H200 (bench/RESULTS.md, "Graph sizes").
+    256 sizes on 4 stream slots do not fit an H200 (bench/RESULTS.md#graph-sizes).
     """
     sizes = set(range(1, 9))
     base = 8

@@ -22,7 +22,7 @@ class OnnxRuntimeEngine:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # ORT's pool spins after each run by default; on a small box that steals the cores the IO threads and
         # the clients need, and costs far more than the wake-up it saves, except for a batch that runs alone
-        # on every core (bench/RESULTS.md, "Idle dispatch")
+        # on every core (bench/RESULTS.md#idle-dispatch)
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         try:
             self._session = ort.InferenceSession(source, sess_options=opts, providers=["CPUExecutionProvider"])
