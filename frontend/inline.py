@@ -7,7 +7,7 @@ output]``. The shared-memory fast path is untouched: workers and the broker see 
 Endpoints: ``ipc://<runtime_dir>/inline.sock`` always; ``tcp://...`` only with ``--tcp`` and then only
 with CURVE (``--curve-secret-file``; ``--curve-clients DIR`` limits callers to the public keys in DIR).
 Every message gets exactly one reply, with its request's id whenever the header has one; the gateway holds at
-most ``--max-pending`` requests and answers one more OVERLOADED at once.
+most ``--max-pending`` requests and ``--max-pending-mib`` of their bytes, and answers one more OVERLOADED at once.
 One gateway per runtime directory: it holds an flock on ``inline.lock`` beside its socket for its whole life,
 so a second one refuses to start, and on exit it removes its socket file if that is still the one it bound.
 docs/PROTOCOL.md section 10 has the bytes.
@@ -48,6 +48,8 @@ SOCKET_NAME = "inline.sock"
 LOCK_NAME = "inline.lock"  # not *.sock: the broker's stale-socket cleanup leaves it alone, and it is never unlinked
 MAX_ITEMS_SETTING = "shmbroker inline --max-items"  # what a BAD_SHAPE answer over the session's rows names
 MAX_PENDING_SETTING = "shmbroker inline --max-pending"  # what an OVERLOADED answer of the gateway's names
+MAX_PENDING_MIB_SETTING = "shmbroker inline --max-pending-mib"
+MIB = 1 << 20
 DRAIN_S = 10.0  # at a stop, how long the replies of accepted requests may take once the session is closed
 SHUTDOWN_LINGER_MS = 500  # ... and how long ZeroMQ may take to deliver them when the sockets close
 
@@ -249,19 +251,27 @@ def reply_frames(rid: int, status: str, message: str = "", outputs: dict[str, np
             *(np.ascontiguousarray(a).data for a in outs.values())]
 
 
+def _size(frames: list[bytes]) -> int:
+    return sum(len(f) for f in frames)
+
+
 class Gateway:
     """The inline sockets of one session. Every message received gets exactly one reply (unless ZeroMQ cannot
     deliver it: the caller left, or reads none and its queue is full; both are logged); at most
-    ``max_pending`` requests are held at once, and one more is answered OVERLOADED at once."""
+    ``max_pending`` requests, and ``max_bytes`` of their frames, are held at once, and one more is answered
+    OVERLOADED at once."""
 
-    def __init__(self, client: AsyncClient, sockets: list[zmq.asyncio.Socket], max_pending: int) -> None:
+    def __init__(self, client: AsyncClient, sockets: list[zmq.asyncio.Socket], max_pending: int,
+                 max_bytes: int) -> None:
         self.client = client
         self.sockets = sockets
         self.max_pending = max_pending
+        self.max_bytes = max_bytes
         # Requests accepted and not finished: being checked, waiting for a slot, in a slot, or answered TIMEOUT
         # while the worker may still use their slot (PROTOCOL 5.7). What they hold (frames, a slot) is what the
-        # cap bounds: memory is about max_pending times the largest request.
+        # caps bound: their count, and the bytes of their frames.
         self.held = 0
+        self.held_bytes = 0
         # One slot per request, taken before AsyncClient.infer and given back only once its call is over: so
         # that call never waits for a slot, a wait that would block the event loop (Client._wait_for_slot),
         # and a request is never cancelled once submitted, which would free the slot the worker still uses.
@@ -282,18 +292,34 @@ class Gateway:
                 recv.cancel()
                 break
             ident, *frames = recv.result()
-            if self.held >= self.max_pending and not _asks_models(frames):
+            size = _size(frames)
+            full = self._full(size)
+            if full and not _asks_models(frames):
                 # answered here, nothing decoded past the id: past the cap a request costs one small reply
                 rid = request_id(frames)
-                await self._send(sock, ident, rid, "OVERLOADED", reply_frames(
-                    rid, "OVERLOADED", f"the gateway holds {self.held} requests, its limit ({MAX_PENDING_SETTING} "
-                    f"{self.max_pending}): try again later, or raise it"))
+                await self._send(sock, ident, rid, "OVERLOADED", reply_frames(rid, "OVERLOADED", full))
                 continue
             self.held += 1
-            task = asyncio.create_task(self._answer(sock, ident, frames))
+            self.held_bytes += size
+            task = asyncio.create_task(self._answer(sock, ident, frames, size))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
         waiter.cancel()
+
+    def _full(self, size: int) -> str:
+        """Why a request of ``size`` bytes may not be held now ('' when it may)."""
+        if self.held >= self.max_pending:
+            return (f"the gateway holds {self.held} requests, its limit ({MAX_PENDING_SETTING} {self.max_pending}): "
+                    f"try again later, or raise it")
+        if self.held_bytes + size > self.max_bytes:
+            return (f"the gateway holds {self.held} requests of {self.held_bytes / MIB:.2f} MiB and this one has "
+                    f"{size / MIB:.2f} MiB, past its limit ({MAX_PENDING_MIB_SETTING} {self.max_bytes // MIB}): "
+                    f"try again later, or raise it")
+        return ""
+
+    def _release(self, size: int) -> None:
+        self.held -= 1
+        self.held_bytes -= size
 
     async def drain(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for the replies of the requests accepted (after ``client.close``, which
@@ -304,8 +330,9 @@ class Gateway:
                 log.warning("%d requests still unanswered %.0f s after the stop; they get no reply", len(late),
                             timeout)
 
-    async def _answer(self, sock: zmq.asyncio.Socket, ident: bytes, frames: list[bytes]) -> None:
-        """One reply to one accepted message, whatever it holds; ``held`` drops once nothing of it is left."""
+    async def _answer(self, sock: zmq.asyncio.Socket, ident: bytes, frames: list[bytes], size: int) -> None:
+        """One reply to one accepted message of ``size`` bytes, whatever it holds; ``held`` and ``held_bytes``
+        drop once nothing of it is left."""
         inner: asyncio.Future[Any] | None = None
         rid = 0
         status = "OK"
@@ -330,9 +357,9 @@ class Gateway:
             reply = reply_frames(rid, status, f"the gateway failed on this request: {exc!r}")
         await self._send(sock, ident, rid, status, reply)
         if inner is None:
-            self.held -= 1
+            self._release(size)
         else:
-            inner.add_done_callback(self._inner_over)
+            inner.add_done_callback(lambda f: self._inner_over(f, size))
 
     async def _infer(self, req: InlineRequest,
                      arrays: dict[str, np.ndarray]) -> tuple[list[Any], str, asyncio.Future[Any] | None]:
@@ -364,9 +391,9 @@ class Gateway:
         outs = out if isinstance(out, dict) else {plan.info.outputs[0].name: out}
         return reply_frames(req.id, "OK", "", outs), "OK", None
 
-    def _inner_over(self, inner: asyncio.Future[Any]) -> None:
+    def _inner_over(self, inner: asyncio.Future[Any], size: int) -> None:
         """A call answered TIMEOUT has ended: its slot is free; its result, already replied for, is dropped."""
-        self.held -= 1
+        self._release(size)
         if not inner.cancelled() and inner.exception() is not None:
             log.debug("a request answered TIMEOUT ended later with %s", inner.exception())
 
@@ -445,11 +472,14 @@ async def _connect(rd: Path, args: argparse.Namespace, stop: asyncio.Event) -> A
     return None
 
 
-def _router(ctx: zmq.asyncio.Context) -> zmq.asyncio.Socket:
-    """A ROUTER for callers: a reply it cannot deliver is an error to log (ROUTER_MANDATORY), not a silent drop."""
+def _router(ctx: zmq.asyncio.Context, max_bytes: int) -> zmq.asyncio.Socket:
+    """A ROUTER for callers: a reply it cannot deliver is an error to log (ROUTER_MANDATORY), not a silent drop;
+    a frame over ``max_bytes`` drops its caller's connection before it is allocated (MAXMSGSIZE), as no request
+    holding it could be taken anyway."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, SHUTDOWN_LINGER_MS)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     return sock
 
 
@@ -457,7 +487,7 @@ def _tcp_socket(ctx: zmq.asyncio.Context, args: argparse.Namespace) -> zmq.async
     """The TCP ROUTER: CURVE server with the secret key of --curve-secret-file (Z85, 40 characters; the command
     checked the file's mode and the key's length)."""
     secret = Path(args.curve_secret_file).read_bytes().strip()
-    sock = _router(ctx)
+    sock = _router(ctx, args.max_pending_mib * MIB)
     sock.curve_server = True
     sock.curve_secretkey = secret
     sock.curve_publickey = zmq.curve_public(secret)
@@ -489,7 +519,7 @@ async def serve(args: argparse.Namespace, on_ready: Callable[[list[str]], None])
             # stop at the upgrade. But the public key is not a secret by design, so say loudly who is served.
             log.warning("--tcp %s without --curve-clients: any caller that knows this server's public key is "
                         "served; name the callers' public keys with --curve-clients DIR (docs/DEPLOY.md)", args.tcp)
-        ipc = _router(ctx)
+        ipc = _router(ctx, args.max_pending_mib * MIB)
         endpoints = [runtime.endpoint(rd, SOCKET_NAME)]
         ipc.bind(endpoints[0])
         claim.bound()
@@ -500,7 +530,7 @@ async def serve(args: argparse.Namespace, on_ready: Callable[[list[str]], None])
         client = await _connect(rd, args, stop)
         if client is not None:
             on_ready(endpoints)
-            gateway = Gateway(client, sockets, args.max_pending)
+            gateway = Gateway(client, sockets, args.max_pending, args.max_pending_mib * MIB)
             await gateway.run(stop)
             await client.close()  # requests in flight get CLOSE_WAIT_S; the rest end CLIENT_CLOSED ...
             await gateway.drain(DRAIN_S)  # ... and each accepted request gets its reply

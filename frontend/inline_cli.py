@@ -12,6 +12,10 @@ from broker import proc
 # Requests the gateway holds at once (frames, a slot or the wait for one): with 16 slots, enough queued behind
 # them to ride out a burst, and a bound on memory of about this many times the largest request.
 DEFAULT_MAX_PENDING = 256
+# ... and the bytes they may hold in all (frames as received): the bound on memory whatever their size. No
+# frame larger than this is ever received: ZeroMQ drops the connection that sends one (ZMQ_MAXMSGSIZE).
+DEFAULT_MAX_PENDING_MIB = 512
+MAX_PENDING_MIB_LIMIT = 1 << 20  # 1 TiB: far past any machine, and within ZMQ_MAXMSGSIZE's int64
 CURVE_KEY_CHARS = 40  # a Z85 CURVE key
 
 
@@ -31,6 +35,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="requests the gateway holds at once, in slots or waiting for one (memory: about N times "
                          "the largest request); past it a request is answered OVERLOADED at once "
                          f"(default {DEFAULT_MAX_PENDING})")
+    ap.add_argument("--max-pending-mib", type=int, default=DEFAULT_MAX_PENDING_MIB, metavar="MIB",
+                    help="bytes of requests the gateway holds at once, in MiB; past it a request is answered "
+                         "OVERLOADED at once, and a caller that sends a frame larger than it is disconnected "
+                         f"unread (default {DEFAULT_MAX_PENDING_MIB})")
     ap.add_argument("--log-level", default="INFO")
 
 
@@ -68,6 +76,10 @@ def command(args: argparse.Namespace) -> int:
             return 2
     if args.max_pending < 1:
         sys.stderr.write(f"shmbroker: inline: --max-pending: expected at least 1, got {args.max_pending}\n")
+        return 2
+    if not 1 <= args.max_pending_mib <= MAX_PENDING_MIB_LIMIT:
+        sys.stderr.write(f"shmbroker: inline: --max-pending-mib: expected 1 to {MAX_PENDING_MIB_LIMIT}, got "
+                         f"{args.max_pending_mib}\n")
         return 2
     proc.name_process("shmb-inline")
     proc.setup_logging(args.log_level)

@@ -13,8 +13,12 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import math
 import multiprocessing as mp
+import os
+import resource
 import socket
+import stat
 import sys
 import threading
 from collections.abc import Callable
@@ -29,7 +33,11 @@ from frontend.settings import Settings
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 120.0  # a child's session handshake is retried until the broker answers
 RESTART_PAUSE_S = 1.0
-BACKLOG = 128  # aiohttp's default, which each child's SockSite sets again on the shared socket
+BACKLOG = 128  # aiohttp's default, which each child's site sets again on the shared socket
+# Descriptors a front-end process uses beside its clients' connections: the ring session, ZeroMQ's sockets
+# and pipes, the executor's, the log; --max-connections is what the open-files limit must allow on top.
+OWN_FDS = 64
+MIN_API_KEY_CHARS = 16
 
 
 class PortTaken(RuntimeError):
@@ -144,7 +152,77 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-items", type=int, default=0,
                     help="rows per request (default: the broker's default_max_items)")
     ap.add_argument("--max-body-mib", type=int, default=64, help="largest request body (default 64 MiB)")
+    ap.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                    help="seconds a connection has to send a request's headers, from its opening or from its first "
+                         "byte after the previous response; past it it is answered 408 and closed (default 10)")
+    ap.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                    help="seconds a request's whole body has to arrive, from its headers; past it the request is "
+                         "answered 408 and the connection closed (default 60)")
+    ap.add_argument("--max-connections", type=int, default=512, metavar="N",
+                    help="connections per process; one more displaces the oldest idle one or the oldest still "
+                         "sending headers (answered 503), else it is answered 503 (default 512; the open-files "
+                         f"limit is raised to N + {OWN_FDS} when it can be, else the command exits 2)")
+    ap.add_argument("--body-memory-mib", type=int, default=512, metavar="MIB",
+                    help="request bodies one process holds at once, in MiB; a request whose body does not fit is "
+                         "answered 503 at once, unread (default 512; at least --max-body-mib)")
+    ap.add_argument("--api-key-file", default="", metavar="FILE",
+                    help="ask every request but the health probes for 'Authorization: Bearer KEY', KEY being this "
+                         "file's content (at least 16 characters); others than the file's owner and group may not "
+                         "read or write it (chmod 640)")
     ap.add_argument("--log-level", default="INFO")
+
+
+def api_key(path: str) -> str:
+    """The key in ``path``; ValueError naming --api-key-file when others than its owner and group may read or
+    write it, or it holds no usable key (printable ASCII, no spaces, at least MIN_API_KEY_CHARS characters)."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as fh:
+            raw = fh.read(4096)
+    except OSError as exc:
+        raise ValueError(f"--api-key-file {path}: cannot read it ({exc.strerror})") from None
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o007:
+        raise ValueError(f"--api-key-file {path}: mode {mode:04o} lets users outside the file's group use the key: "
+                         f"run `chmod 640 {path}` (and make a new key if others may have read it)")
+    key = raw.strip()
+    if len(key) < MIN_API_KEY_CHARS or not all(0x21 <= b <= 0x7E for b in key):
+        raise ValueError(f"--api-key-file {path}: expected one key of at least {MIN_API_KEY_CHARS} printable ASCII "
+                         f"characters without spaces (`openssl rand -hex 32` makes one), got {len(key)} bytes")
+    return key.decode()
+
+
+def _positive(value: float, option: str, what: str) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{option}: expected {what} above 0, got {value:g}")
+
+
+def settings_of(args: argparse.Namespace, runtime_dir: Path) -> Settings:
+    """The front-end's settings; ValueError naming the option that is wrong."""
+    _positive(args.max_body_mib, "--max-body-mib", "MiB")
+    _positive(args.header_timeout, "--header-timeout", "seconds")
+    _positive(args.body_timeout, "--body-timeout", "seconds")
+    _positive(args.max_connections, "--max-connections", "a number of connections")
+    if args.body_memory_mib < args.max_body_mib:
+        raise ValueError(f"--body-memory-mib: expected at least --max-body-mib ({args.max_body_mib}), so that a body "
+                         f"of the largest size fits, got {args.body_memory_mib}")
+    key = api_key(args.api_key_file) if args.api_key_file else ""
+    return Settings(args.host, args.port, runtime_dir, args.slots, args.max_items, args.max_body_mib,
+                    header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                    max_connections=args.max_connections, body_memory_mib=args.body_memory_mib, api_key=key)
+
+
+def allow_open_files(max_connections: int) -> None:
+    """Raise this process's open-files limit (the children inherit it) to what ``max_connections`` needs;
+    ValueError naming --max-connections when the hard limit is below it."""
+    need = max_connections + OWN_FDS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise ValueError(f"--max-connections {max_connections}: a front-end process needs {need} open files "
+                             f"(N + {OWN_FDS}) and may open only {hard} (ulimit -Hn; LimitNOFILE= in a unit): "
+                             f"lower --max-connections, or raise the limit")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def command(args: argparse.Namespace) -> int:
@@ -156,8 +234,9 @@ def command(args: argparse.Namespace) -> int:
     stop = threading.Event()
     proc.stop_on_signals(stop)
     rd = Path(args.runtime_dir) if args.runtime_dir else runtime.resolve()
-    settings = Settings(args.host, args.port, rd, args.slots, args.max_items, args.max_body_mib)
     try:
+        settings = settings_of(args, rd)
+        allow_open_files(settings.max_connections)
         fe = Frontends(settings, args.workers, args.log_level)
     except (OSError, ValueError, PortTaken) as exc:
         sys.stderr.write(f"shmbroker: http: {exc}\n")

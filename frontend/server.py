@@ -4,13 +4,15 @@ The process holds one ring session (``client.AsyncClient``): an infer request's 
 body into a ring slot with one copy, the worker writes the outputs into the same slot, and the response is
 built from them. Several such processes accept from one listening socket that frontend/main.py binds and
 passes to them; the kernel hands each connection to one of them. Errors are ``{"error": "..."}`` with 400
-(bad input), 404 (unknown model or path), 503 (overloaded, not ready, worker died), 504 (timeout), 500
-(anything else).
+(bad input), 401 (no or a wrong API key, with ``--api-key-file``), 404 (unknown model or path), 408 (headers
+or body too slow), 413 (body too large), 503 (overloaded, not ready, worker died), 504 (timeout), 500 (anything
+else). frontend/limits.py bounds what slow or many clients can hold: time, connections, body memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import signal
@@ -29,6 +31,7 @@ from broker.ask import ask_broker
 from client import AsyncClient, BadInput, Overloaded, RequestTimeout, ShmBrokerError, UnknownModel, WorkerDied
 from frontend import kserve
 from frontend.kserve import HttpError
+from frontend.limits import BodyBudget, ConnectionGuard, request_body
 from frontend.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,11 @@ VERSION = "0.1.0"
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_ITEMS_SETTING = "shmbroker http --max-items"  # what a BAD_SHAPE answer over the session's rows names
 PID_HEADER = "X-Shmbroker-Frontend-Pid"  # which front-end process answered (tests check that several share a port)
+OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})  # answered without the API key: probes carry none
+BACKLOG = 128
+# An idle keep-alive connection's life: run_app's default (AppRunner's own is an hour). aiohttp applies it to a new
+# connection before its first request too, so it is kept at least as long as --header-timeout, which governs that.
+KEEPALIVE_S = 75.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -56,15 +64,25 @@ def _json(doc: object, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(doc), status=status, content_type="application/json")
 
 
+def key_matches(authorization: str, key: str) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <key>``, compared in constant time."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(errors="surrogateescape"),
+                                                              key.encode())
+
+
 class Frontend:
     """The routes of one front-end process over its ring session (None until the broker answered)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.client: AsyncClient | None = None
+        self.guard = ConnectionGuard(settings)
+        self.bodies = BodyBudget(settings.body_memory_mib << 20)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.max_body_mib << 20, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.settings.max_body_mib << 20,
+                              middlewares=[self.guard.track, self._errors, self._authorize])
         r = app.router
         r.add_get("/v2", self.server_metadata)
         r.add_get("/v2/health/live", self.live)
@@ -82,12 +100,26 @@ class Frontend:
         try:
             return await handler(request)
         except HttpError as exc:
-            return _json({"error": exc.message}, exc.status)
+            response = _json({"error": exc.message}, exc.status)
         except web.HTTPException as exc:
-            return _json({"error": exc.reason}, exc.status)
+            response = _json({"error": exc.reason}, exc.status)
         except Exception as exc:
             log.exception("%s %s failed", request.method, request.path)
-            return _json({"error": f"internal error: {exc!r}"}, 500)
+            response = _json({"error": f"internal error: {exc!r}"}, 500)
+        if not request.content.is_eof():
+            response.force_close()  # a body left unread (refused, too slow): say so, aiohttp closes after it
+        return response
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """401 without ``Authorization: Bearer <key>`` when the process has a key, but on the health probes."""
+        key = self.settings.api_key
+        if not key or request.path in OPEN_PATHS or key_matches(request.headers.get("Authorization", ""), key):
+            return await handler(request)
+        response = _json({"error": "unauthorized: send the header 'Authorization: Bearer KEY', KEY being the "
+                                   "key in the file of shmbroker http --api-key-file"}, 401)
+        response.headers["WWW-Authenticate"] = 'Bearer realm="shmbroker"'
+        return response
 
     async def _stamp(self, _request: web.Request, response: web.StreamResponse) -> None:
         response.headers[PID_HEADER] = str(os.getpid())
@@ -145,12 +177,12 @@ class Frontend:
     async def infer(self, request: web.Request) -> web.Response:
         info = self._model(request)
         client = self._client()
-        body = await request.read()
-        req = kserve.parse_infer(body, request.headers.get(HEADER_LENGTH), info)
-        try:
-            out = await client.infer(info.name, req.inputs, req.timeout_s)
-        except ShmBrokerError as exc:
-            raise HttpError(status_of(exc), str(exc)) from None
+        async with request_body(request, self.bodies, self.settings) as body:
+            req = kserve.parse_infer(body, request.headers.get(HEADER_LENGTH), info)
+            try:
+                out = await client.infer(info.name, req.inputs, req.timeout_s)
+            except ShmBrokerError as exc:
+                raise HttpError(status_of(exc), str(exc)) from None
         outputs = out if isinstance(out, dict) else {info.outputs[0].name: out}
         return self._response(info, req, outputs)
 
@@ -181,6 +213,28 @@ class Frontend:
                     continue
 
 
+class GuardedSite(web.BaseSite):
+    """aiohttp's SockSite, but each connection goes through the front-end's ConnectionGuard."""
+
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, guard: ConnectionGuard) -> None:
+        super().__init__(runner, backlog=BACKLOG)
+        self._sock = sock
+        self._guard = guard
+
+    @property
+    def name(self) -> str:
+        host, port = self._sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        if server is None:
+            raise RuntimeError("GuardedSite: the runner was cleaned up before the site started")
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._guard.factory(server), sock=self._sock, backlog=BACKLOG)
+
+
 async def serve(settings: Settings, ready: Connection | None = None, sock: socket.socket | None = None) -> None:
     """Serve until SIGTERM or SIGINT on ``sock`` (the parent's listening socket), else on a port of its own;
     sends ("ready", pid) on ``ready`` once the session and the port are up."""
@@ -189,11 +243,12 @@ async def serve(settings: Settings, ready: Connection | None = None, sock: socke
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     fe = Frontend(settings)
-    runner = web.AppRunner(fe.app(), access_log=None, handle_signals=False)
+    runner = web.AppRunner(fe.app(), access_log=None, handle_signals=False,
+                           keepalive_timeout=max(KEEPALIVE_S, settings.header_timeout_s))
     await runner.setup()
     # alone (``python -m frontend.server``) it binds without SO_REUSEPORT, so it too owns its port
-    site: web.BaseSite = (web.SockSite(runner, sock) if sock is not None
-                          else web.TCPSite(runner, settings.host, settings.port))
+    site = GuardedSite(runner, sock if sock is not None else socket.create_server((settings.host, settings.port)),
+                       fe.guard)
     await site.start()
     await fe.connect(stop)
     if fe.client is not None:

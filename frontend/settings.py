@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -15,3 +15,8 @@ class Settings:
     max_items: int = 0  # rows per request (0: the broker's default; clamped to the largest max_batch)
     max_body_mib: int = 64
     connect_timeout_s: float = 10.0
+    header_timeout_s: float = 10.0  # to send a request's headers, from the opening or the first byte after a reply
+    body_timeout_s: float = 60.0  # to send a whole body, from its headers
+    max_connections: int = 512  # per process
+    body_memory_mib: int = 512  # request bodies one process holds at once
+    api_key: str = field(default="", repr=False)  # '': no key asked for; else 'Authorization: Bearer <api_key>'
