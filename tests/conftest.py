@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +49,17 @@ timeout_ms = 20000
 HINT_MODELS = TEST_MODELS.replace("max_queue_delay_us = 2000", "max_queue_delay_us = 0", 1) + """
 [worker]
 spin_us = 20000
+"""
+
+# tiny alone, with a 1 ms batching delay: the reliability tests' model (tests/faultload.py)
+TINY_MODELS = """
+[models.tiny]
+path = "builtin:tiny"
+max_batch = 16
+max_queue_delay_us = 1000
+max_queue_size = 256
+timeout_ms = 2000
+intra_op_threads = 1
 """
 
 
@@ -103,9 +117,16 @@ class RunningBroker:
     log_path: Path
     instance: str = ""
 
+    def ring_paths(self) -> dict[str, str]:
+        """This broker's rings that it or its workers hold (open or mapped), by name, each with a /proc path
+        that opens it: the rings have no other name."""
+        return ring.held_rings([self.proc.pid, *self.worker_pids()], self.instance)
+
     def segments(self) -> set[str]:
-        """This broker's segments in /dev/shm (other brokers may run beside the tests)."""
-        return {n for n in os.listdir("/dev/shm") if n.startswith(f"shmb-{self.instance}-")}
+        """This broker's rings still held by it or its workers; only while it runs (its rings go with it)."""
+        if self.proc.poll() is not None:
+            raise AssertionError("the broker has exited: its rings went with its processes, nothing to check")
+        return set(self.ring_paths())
 
     def health(self, wait_s: float = 0.0) -> P.HealthReply:
         reply = ask_broker(self.runtime_dir, P.Health(int(wait_s * 1000)), wait_s + 5)
@@ -125,25 +146,90 @@ class RunningBroker:
     def submitted_slots(self) -> int:
         """Slots of this broker's rings whose header says SUBMITTED: requests posted and not yet answered."""
         count = 0
-        for name in self.segments():
+        for path in self.ring_paths().values():
+            if not path:
+                continue
             try:
-                with open(f"/dev/shm/{name}", "rb") as fh:
+                with open(path, "rb") as fh:
                     head = fh.read(ring.SEGMENT_HEADER.size)
                     n_slots, stride = ring.SEGMENT_HEADER.unpack(head)[4:6]
                     for i in range(n_slots):
                         fh.seek(ring.HEADER_BYTES + i * stride)
                         count += P.STATE_WORD.unpack(fh.read(P.STATE_WORD.size))[0] == P.SlotState.SUBMITTED
-            except (FileNotFoundError, struct.error):  # a session closing meanwhile
+            except (OSError, struct.error):  # a session closing meanwhile
                 continue
         return count
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
 
+    def stop_released(self, timeout: float = 30) -> int:
+        """``stop``, after checking that the broker released every session's ring once the clients left
+        (it reaps them within a liveness check); AssertionError, after stopping, naming any still held."""
+        held: set[str] = set()
+        if self.proc.poll() is None:
+            try:
+                wait_until(lambda: not self.segments(), "every session's ring is released")
+            except AssertionError:
+                held = self.segments()
+        rc = self.stop(timeout)
+        if held:
+            raise AssertionError(f"rings still held after every client left: {sorted(held)}\n{self.log()}")
+        return rc
+
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
+
+
+@contextlib.contextmanager
+def running_broker(tmp: Path, mode: str = "process", **kwargs: str) -> Iterator[RunningBroker]:
+    """``start_broker`` for the span of a ``with`` (a fixture's body): it must stop cleanly, every ring released."""
+    b = start_broker(tmp, mode, **kwargs)
+    try:
+        yield b
+    finally:
+        assert b.stop_released() == 0, b.log()
+
+
+def wait_until(condition: Callable[[], bool], what: str, limit: float = 30.0) -> None:
+    """Poll ``condition`` (a state another process changes, with no event to wait on) until it holds."""
+    end = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"not within {limit:g} s: {what}")
+        time.sleep(0.02)
+
+
+def wait_for_new_worker(b: RunningBroker, old: int, limit: float = 30.0) -> float:
+    """Seconds until the broker has started a worker process other than ``old`` (a measurement, polled)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        pids = b.worker_pids()
+        if pids and old not in pids:
+            return time.monotonic() - t0
+        time.sleep(0.005)
+    raise AssertionError(f"no new worker within {limit} s\n{b.log()}")
+
+
+def process_gone(pid: int, limit: float) -> bool:
+    """The process is gone (reaped, or a zombie whose parent died) within ``limit`` seconds."""
+    try:
+        psutil.Process(pid).wait(limit)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.TimeoutExpired:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def start_broker(tmp: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS,
@@ -183,10 +269,8 @@ def broker(tmp_path_factory: pytest.TempPathFactory, mode: str) -> Iterator[Runn
             os.environ.pop("SHMBROKER_RUNTIME_DIR", None)
         else:
             os.environ["SHMBROKER_RUNTIME_DIR"] = old
-        rc = b.stop()
-        leaked = b.segments()
+        rc = b.stop_released()
         assert rc == 0, f"broker exited {rc}\n{b.log()}"
-        assert not leaked, f"segments left in /dev/shm: {sorted(leaked)}"
 
 
 @pytest.fixture

@@ -55,6 +55,15 @@ class Tally:
             self.failed_latency_us.setdefault(k, []).extend(lat)
 
 
+def assert_accounted(t: Tally) -> None:
+    """Every request submitted ended once, as a right result or an error with a code: none hung, none got a
+    wrong result."""
+    assert t.submitted == t.ok + t.failed_total + t.wrong + t.hung, t
+    assert t.hung == 0, t
+    assert t.wrong == 0, t
+    assert not any(k.startswith("unexpected") for k in t.failed), t.failed
+
+
 @dataclass
 class LoadSpec:
     runtime_dir: Path
@@ -80,7 +89,7 @@ def run_load(spec: LoadSpec, stop: Event, started: Barrier, mark: Synchronized[f
     so the sender's own cost per request stays small (the senders share the cores with the worker).
     """
     from client import Client, ShmBrokerError
-    from tests.test_e2e import direct
+    from tests.models import direct
 
     xs = _inputs(spec.model, spec.seed)
     refs = [direct(spec.model, x) for x in xs]

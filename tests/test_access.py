@@ -1,9 +1,10 @@
-"""Access (issue 5, item 6): who can reach a broker and its rings, and what error texts give away.
+"""Access (bench/RESULTS.md#reliability, item 6): who can reach a broker and its rings, and what error texts give away.
 
 Segment and socket modes are checked in tests/test_lifecycle.py (0600 by default; 0660 and the group with
 ``broker.group``), as is a child of another uid failing to open a segment. Here, run as root, children of
 other uids try the whole handshake, and every error text a client can provoke is checked for segment
-names and paths. The TCP endpoint is the inline gateway's (issue 7): an unauthenticated client is refused.
+names and paths. The TCP endpoint is the inline gateway's (for callers that cannot map shared memory): an
+unauthenticated client is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from broker import protocol as P
 from broker.runtime import CONTROL_SOCKET, endpoint
 from client import Client
 from tests.conftest import REPO, RunningBroker, start_broker
+from tests.frontends import start_inline, stop_inline
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run children as other uids")
 
@@ -104,8 +106,7 @@ def test_group_members_are_served_and_others_refused(public_tmp: Path) -> None:
         assert code == 13, out
         no_secrets(out)
     finally:
-        assert b.stop() == 0, b.log()
-        assert not b.segments()
+        assert b.stop_released() == 0, b.log()
 
 
 def control_errors(runtime_dir: Path, msgs: list[msgspec.Struct]) -> list[P.ErrorReply]:
@@ -134,7 +135,7 @@ def test_error_texts_name_no_segment_or_path(process_broker: RunningBroker) -> N
             P.Attached(victim.session_id),  # another user's session
             P.Bye(victim.session_id),  # not its owner: ignored (no answer), the Attached below is answered
             P.Attached(victim.session_id),
-            P.Hello(P.PROTOCOL_VERSION, 0, 1, 1, "x"),  # BAD_HELLO pid
+            P.Hello(P.PROTOCOL_VERSION, os.getpid(), 1, -1, "x"),  # BAD_HELLO max_items
             P.Hello(P.PROTOCOL_VERSION, os.getpid(), 10**6, 1, "x"),  # BAD_HELLO slots
             P.Ready(victim.session_id, 1, []),  # not for the broker: BAD_MESSAGE
         ])
@@ -167,10 +168,8 @@ def handshake_outcome(ctx: zmq.Context[zmq.Socket[bytes]], endpoint_: str, serve
 
 
 def test_tcp_endpoint_refuses_unauthenticated_clients(process_broker: RunningBroker, tmp_path: Path) -> None:
-    """The inline gateway's TCP endpoint (issue 7; off by default, and it refuses to start without CURVE:
+    """The inline gateway's TCP endpoint (off by default, and it refuses to start without CURVE:
     tests/test_inline.py) completes a handshake only with a client whose public key it was given."""
-    from tests.test_inline import start_inline, stop
-
     server_public, server_secret = zmq.curve_keypair()
     (tmp_path / "server.key").write_bytes(server_secret)
     (tmp_path / "server.key").chmod(0o600)  # the gateway refuses a key that others may read
@@ -192,4 +191,4 @@ def test_tcp_endpoint_refuses_unauthenticated_clients(process_broker: RunningBro
         assert handshake_outcome(ctx, tcp, server_public, known) == zmq.EVENT_HANDSHAKE_SUCCEEDED
     finally:
         ctx.destroy(linger=0)
-        assert stop(proc) == 0
+        assert stop_inline(proc) == 0

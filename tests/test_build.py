@@ -19,7 +19,7 @@ from gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
 from gpu_worker.engines.tensorrt import check_plan_io, check_plan_meta
 from gpu_worker.model_source import tiny_model_bytes
 from tests import photoset
-from tests.test_precision import NSFW
+from tests.models import NSFW
 
 INSTALL = "pip install tensorrt-cu13 --extra-index-url https://pypi.nvidia.com"
 

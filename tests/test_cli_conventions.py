@@ -20,7 +20,7 @@ from PIL import Image
 
 from broker import cli, runtime
 from client import Client
-from tests.conftest import REPO, TEST_MODELS, RunningBroker, start_broker, write_config
+from tests.conftest import REPO, TEST_MODELS, RunningBroker, running_broker, write_config
 
 TINY_ONLY = TEST_MODELS.split("[models.nsfw]")[0]
 
@@ -37,11 +37,8 @@ def shmbroker(*argv: str, runtime_dir: Path | None = None, timeout: float = 120)
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
     """One process-mode broker (tiny and nsfw) for this module's tests that only ask it."""
-    b = start_broker(tmp_path_factory.mktemp("cli-broker"), "process")
-    try:
+    with running_broker(tmp_path_factory.mktemp("cli-broker")) as b:
         yield b
-    finally:
-        b.stop()
 
 
 def test_version_prints_the_installed_version() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from client import Client, WorkerDied
 from tests.conftest import RunningBroker, arr, start_broker
-from tests.test_e2e import direct
+from tests.models import direct
 
 X = np.ones((1, 256), np.float32)
 

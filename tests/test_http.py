@@ -6,17 +6,14 @@ then tritonclient and plain http.client requests over TCP.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import gevent
@@ -26,52 +23,9 @@ import pytest
 import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import REPO, RunningBroker, start_broker
-from tests.test_e2e import direct
-
-
-@dataclass
-class Front:
-    host: str
-    port: int
-    proc: subprocess.Popen[str]
-    broker: RunningBroker
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def client(self, concurrency: int = 1) -> th.InferenceServerClient:
-        return th.InferenceServerClient(self.url, concurrency=concurrency, network_timeout=60.0)
-
-    def raw(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
-            ) -> tuple[int, dict[str, str], bytes]:
-        """One request on a fresh connection: (status, headers, body)."""
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
-        try:
-            conn.request(method, path, body=body, headers=headers or {})
-            resp = conn.getresponse()
-            return resp.status, dict(resp.getheaders()), resp.read()
-        finally:
-            conn.close()
-
-
-def start_frontend(b: RunningBroker, log_path: Path, workers: int = 2, extra: tuple[str, ...] = ()) -> Front:
-    """`shmbroker http --port 0`; returns once it printed its ready line (every process has its session)."""
-    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir), PYTHONUNBUFFERED="1")
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "http", "--workers", str(workers), "--port", "0",
-                                 "--slots", "32", *extra], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=logf,
-                                text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # blocks until ready, or EOF when it failed
-    m = re.search(r"(\d+) front-end processes ready on http://([\d.]+):(\d+)", line)
-    if m is None:
-        proc.kill()
-        raise AssertionError(f"no ready line, got {line!r}; log:\n{log_path.read_text()[-4000:]}")
-    assert int(m.group(1)) == workers
-    return Front(m.group(2), int(m.group(3)), proc, b, log_path)
+from tests.conftest import REPO, start_broker
+from tests.frontends import Front, start_frontend
+from tests.models import direct
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +42,9 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
     finally:
         f.proc.send_signal(signal.SIGTERM)
         rc = f.proc.wait(60)
-        brc = b.stop()
+        brc = b.stop_released()
         assert rc == 0, f"shmbroker http exited {rc}\n{f.log_path.read_text()[-4000:]}"
         assert brc == 0, b.log()
-        assert not b.segments()
 
 
 def _input(name: str, x: np.ndarray, binary: bool) -> th.InferInput:

@@ -1,5 +1,6 @@
 """The import graph of the production packages: no cycles between modules, bench out of production code, and a
-command parser that loads neither bench nor the client library nor an inference runtime."""
+command parser that loads neither bench nor the client library nor an inference runtime. In tests/, no module
+imports a test module: shared helpers live in tests/conftest.py or a helper module (tests/models.py, ...)."""
 
 from __future__ import annotations
 
@@ -114,3 +115,22 @@ def test_the_gpu_engines_load_no_onnxruntime() -> None:
             "gpu_worker.engines.torch; print('onnxruntime' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
     assert r.stdout.strip() == "False", r.stdout
+
+
+def test_no_module_under_tests_imports_a_test_module() -> None:
+    """A test module is run, not imported: what two modules share lives in conftest.py or a helper module under
+    tests/ (models.py, frontends.py, faultload.py, rawclient.py, gpu/clients.py), lazy imports included."""
+    offenders: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_package else parts)
+        deps = set()
+        for dep in _imports(ast.parse(path.read_text(), str(path)), name, is_package):
+            where = dep.split(".")
+            tests = [i for i, part in enumerate(where) if part.startswith("test_")]
+            if where[0] == "tests" and tests:
+                deps.add(".".join(where[: tests[0] + 1]))  # the test module, not the names taken from it
+        if deps:
+            offenders[name] = sorted(deps)
+    assert offenders == {}

@@ -3,9 +3,7 @@ over tcp with CURVE. Real processes and sockets; the caller is plain pyzmq, as a
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -20,68 +18,16 @@ import pytest
 import zmq
 import zmq.auth
 
-from broker import protocol as P
-from frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REPLY, INLINE_REQUEST, MAX_ITEMS_SETTING
+from frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REQUEST, MAX_ITEMS_SETTING
 from tests.conftest import REPO, RunningBroker, start_broker
-from tests.test_e2e import direct
-
-
-def start_inline(b: RunningBroker, log_path: Path, *extra: str) -> tuple[subprocess.Popen[str], list[str]]:
-    """`shmbroker inline`; returns once it printed its ready line, with the endpoints it listens on."""
-    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir), PYTHONUNBUFFERED="1")
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "inline", "--slots", "16", *extra], env=env,
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=logf, text=True)
-    line = proc.stdout.readline() if proc.stdout is not None else ""
-    m = re.match(r"shmbroker inline: ready on (.+)$", line.strip())
-    if m is None:
-        proc.kill()
-        raise AssertionError(f"no ready line, got {line!r}; log:\n{log_path.read_text()[-4000:]}")
-    return proc, m.group(1).split()
-
-
-def stop(proc: subprocess.Popen[str]) -> int:
-    proc.terminate()
-    return proc.wait(30)
-
-
-@contextlib.contextmanager
-def broker_with_gateway(tmp: Path, *extra: str) -> Iterator[tuple[RunningBroker, list[str]]]:
-    """A broker and `shmbroker inline` (with ``extra`` options) on it; both must stop cleanly and leave no segment."""
-    b = start_broker(tmp, "process")
-    try:
-        proc, endpoints = start_inline(b, tmp / "inline.log", *extra)
-    except BaseException:
-        b.stop()
-        raise
-    yield b, endpoints
-    assert stop(proc) == 0, (tmp / "inline.log").read_text()[-3000:]
-    assert b.stop() == 0, b.log()
-    assert not b.segments()
+from tests.frontends import ask_inline, broker_with_gateway, infer_inline, inline_envelope, start_inline, stop_inline
+from tests.models import direct
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningBroker, list[str]]]:
     with broker_with_gateway(tmp_path_factory.mktemp("inline")) as g:
         yield g
-
-
-def _env(kind: int) -> bytes:
-    return P.ENVELOPE.pack(1, kind)
-
-
-def _ask(sock: zmq.Socket[bytes], frames: list[bytes]) -> list[bytes]:
-    sock.send_multipart(frames)
-    assert sock.poll(60_000), "no answer from the gateway"
-    return sock.recv_multipart()
-
-
-def _infer(sock: zmq.Socket[bytes], model: str, name: str, x: np.ndarray,
-           rid: int = 7) -> tuple[dict[str, Any], list[bytes]]:
-    header = {"id": rid, "model": model, "inputs": [{"name": name, "dtype": x.dtype.name, "shape": list(x.shape)}]}
-    reply = _ask(sock, [_env(INLINE_REQUEST), msgspec.json.encode(header), x.tobytes()])
-    assert reply[0] == _env(INLINE_REPLY)
-    return msgspec.json.decode(reply[1]), reply[2:]
 
 
 @pytest.fixture
@@ -97,8 +43,8 @@ def test_ipc_only_by_default_and_models_listed(gateway: tuple[RunningBroker, lis
                                                dealer: zmq.Socket[bytes]) -> None:
     b, endpoints = gateway
     assert endpoints == [f"ipc://{b.runtime_dir}/inline.sock"]
-    reply = _ask(dealer, [_env(INLINE_MODELS), b"{}"])
-    assert reply[0] == _env(INLINE_MODELS_REPLY)
+    reply = ask_inline(dealer, [inline_envelope(INLINE_MODELS), b"{}"])
+    assert reply[0] == inline_envelope(INLINE_MODELS_REPLY)
     answer = msgspec.json.decode(reply[1])
     models = {m["name"]: m for m in answer["models"]}
     assert models["nsfw"]["inputs"] == [{"name": "input:0", "dtype": "float32", "shape": [-1, 224, 224, 3]}]
@@ -108,7 +54,7 @@ def test_ipc_only_by_default_and_models_listed(gateway: tuple[RunningBroker, lis
 
 def test_results_in_frames_match_onnxruntime(dealer: zmq.Socket[bytes]) -> None:
     x = np.random.default_rng(5).random((2, 224, 224, 3), dtype=np.float32)
-    head, frames = _infer(dealer, "nsfw", "input:0", x)
+    head, frames = infer_inline(dealer, "nsfw", "input:0", x)
     assert head["id"] == 7 and head["status"] == "OK"
     assert head["outputs"] == [{"name": "outputs", "dtype": "float32", "shape": [2, 2]}]
     y = np.frombuffer(frames[0], np.float32).reshape(2, 2)
@@ -117,21 +63,21 @@ def test_results_in_frames_match_onnxruntime(dealer: zmq.Socket[bytes]) -> None:
 
 def test_errors_name_the_code(dealer: zmq.Socket[bytes]) -> None:
     x = np.ones((1, 256), np.float32)
-    head, _ = _infer(dealer, "nope", "x", x, rid=1)
+    head, _ = infer_inline(dealer, "nope", "x", x, rid=1)
     assert (head["id"], head["status"]) == (1, "UNKNOWN_MODEL")
-    head, _ = _infer(dealer, "tiny", "x", np.ones((1, 255), np.float32), rid=2)
+    head, _ = infer_inline(dealer, "tiny", "x", np.ones((1, 255), np.float32), rid=2)
     assert (head["id"], head["status"]) == (2, "BAD_SHAPE") and "shape" in head["message"]
     header = {"id": 3, "model": "tiny", "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 256]}]}
-    reply = _ask(dealer, [_env(INLINE_REQUEST), msgspec.json.encode(header), x.tobytes()[:100]])
+    reply = ask_inline(dealer, [inline_envelope(INLINE_REQUEST), msgspec.json.encode(header), x.tobytes()[:100]])
     head = msgspec.json.decode(reply[1])
     assert (head["id"], head["status"]) == (3, "BAD_MESSAGE") and "inputs[0]" in head["message"]
     # a header that fails the schema still has its id read and echoed
-    reply = _ask(dealer, [_env(INLINE_REQUEST), msgspec.json.encode({"id": 5, "model": "tiny"})])
+    reply = ask_inline(dealer, [inline_envelope(INLINE_REQUEST), msgspec.json.encode({"id": 5, "model": "tiny"})])
     head = msgspec.json.decode(reply[1])
     assert (head["id"], head["status"]) == (5, "BAD_MESSAGE") and "inputs" in head["message"]
-    reply = _ask(dealer, [_env(INLINE_REQUEST), b"{nope"])  # no id to read: 0
+    reply = ask_inline(dealer, [inline_envelope(INLINE_REQUEST), b"{nope"])  # no id to read: 0
     assert (msgspec.json.decode(reply[1])["id"], msgspec.json.decode(reply[1])["status"]) == (0, "BAD_MESSAGE")
-    head, frames = _infer(dealer, "tiny", "x", x, rid=4)  # the gateway goes on serving
+    head, frames = infer_inline(dealer, "tiny", "x", x, rid=4)  # the gateway goes on serving
     assert head["status"] == "OK" and len(frames[0]) == 1024
 
 
@@ -144,7 +90,7 @@ def test_a_failed_request_among_several_outstanding_is_named_by_its_id(dealer: z
         x = xs.get(rid, np.ones((1, 256), np.float32))
         header = {"id": rid, "model": "tiny", "inputs": [{"name": "x", "dtype": "float32", "shape": list(x.shape)}]}
         data = x.tobytes() if rid in xs else x.tobytes()[:10]  # 12: its data frame is short
-        dealer.send_multipart([_env(INLINE_REQUEST), msgspec.json.encode(header), data])
+        dealer.send_multipart([inline_envelope(INLINE_REQUEST), msgspec.json.encode(header), data])
     answers: dict[int, tuple[dict[str, Any], list[bytes]]] = {}
     while len(answers) < 3:
         assert dealer.poll(60_000), f"answers for {sorted(answers)} only"
@@ -165,12 +111,12 @@ def test_the_rows_limit_is_announced_and_names_its_setting(tmp_path: Path) -> No
         try:
             sock = ctx.socket(zmq.DEALER)
             sock.connect(endpoints[0])
-            reply = _ask(sock, [_env(INLINE_MODELS), b"{}"])
+            reply = ask_inline(sock, [inline_envelope(INLINE_MODELS), b"{}"])
             assert msgspec.json.decode(reply[1])["max_items"] == 2
-            head, _ = _infer(sock, "tiny", "x", np.ones((3, 256), np.float32), rid=21)
+            head, _ = infer_inline(sock, "tiny", "x", np.ones((3, 256), np.float32), rid=21)
             assert (head["id"], head["status"]) == (21, "BAD_SHAPE")
             assert "expected 1..2 rows" in head["message"] and MAX_ITEMS_SETTING in head["message"], head
-            head, frames = _infer(sock, "tiny", "x", np.ones((2, 256), np.float32), rid=22)
+            head, frames = infer_inline(sock, "tiny", "x", np.ones((2, 256), np.float32), rid=22)
             assert (head["id"], head["status"]) == (22, "OK") and len(frames[0]) == 2 * 1024
         finally:
             ctx.destroy(linger=0)
@@ -206,7 +152,7 @@ def test_tcp_with_curve_serves_an_authorised_client(tmp_path: Path) -> None:
             sock.curve_secretkey = client_secret or b""
             sock.connect(tcp)
             x = np.random.default_rng(2).standard_normal((3, 256), dtype=np.float32)
-            head, frames = _infer(sock, "tiny", "x", x)
+            head, frames = infer_inline(sock, "tiny", "x", x)
             assert head["status"] == "OK"
             np.testing.assert_allclose(np.frombuffer(frames[0], np.float32).reshape(3, 256), direct("tiny", x),
                                        rtol=0, atol=1e-5)
@@ -220,8 +166,8 @@ def _answers(endpoint: str) -> bool:
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.connect(endpoint)
-        sock.send_multipart([_env(INLINE_MODELS), b"{}"])
-        return bool(sock.poll(60_000)) and sock.recv_multipart()[0] == _env(INLINE_MODELS_REPLY)
+        sock.send_multipart([inline_envelope(INLINE_MODELS), b"{}"])
+        return bool(sock.poll(60_000)) and sock.recv_multipart()[0] == inline_envelope(INLINE_MODELS_REPLY)
     finally:
         ctx.destroy(linger=0)
 
@@ -253,7 +199,7 @@ def test_the_broker_leaves_a_live_gateways_socket_alone(tmp_path: Path) -> None:
         assert path.stat().st_ino == ino and _answers(endpoints[0])
         b = start_broker(tmp_path, "process")  # same runtime dir: its janitor runs
         assert path.stat().st_ino == ino and _answers(endpoints[0])
-        assert stop(proc) == 0, (tmp_path / "inline.log").read_text()[-3000:]
+        assert stop_inline(proc) == 0, (tmp_path / "inline.log").read_text()[-3000:]
         proc = None
         assert not path.exists()
     finally:
@@ -280,7 +226,7 @@ def test_a_gateway_removes_only_its_own_socket_and_a_dead_ones_is_stale(tmp_path
             other.bind(str(path))
             other.listen()
             theirs = path.stat().st_ino
-            assert stop(second) == 0, (tmp_path / "second.log").read_text()[-3000:]
+            assert stop_inline(second) == 0, (tmp_path / "second.log").read_text()[-3000:]
             assert path.exists() and path.stat().st_ino == theirs
         finally:
             other.close()

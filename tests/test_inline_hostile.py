@@ -5,7 +5,6 @@ answered TIMEOUT; a CURVE secret key others may read is refused, and TCP without
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -20,11 +19,22 @@ import pytest
 import zmq
 
 from broker import protocol as P
-from frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REPLY, INLINE_REQUEST
+from frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REQUEST
 from tests.conftest import REPO, RunningBroker, start_broker
-from tests.test_inline import _env, _infer, broker_with_gateway, start_inline
+from tests.frontends import (
+    TINY_X,
+    broker_with_gateway,
+    flood_a_stalled_worker,
+    infer_inline,
+    inline_dealer,
+    inline_envelope,
+    inline_replies,
+    next_is_only,
+    start_inline,
+    tiny_request,
+)
 
-X = np.ones((1, 256), np.float32)  # the tiny model's input: 1024 bytes
+X = TINY_X
 DATA = X.tobytes()
 GOOD_ID = 900_001
 
@@ -40,11 +50,12 @@ def _one(rid: Any, **tensor: Any) -> bytes:
     return _header(rid, inputs=[{"name": "x", "dtype": "float32", "shape": [1, 256], **tensor}])
 
 
-REQ = _env(INLINE_REQUEST)
+REQ = inline_envelope(INLINE_REQUEST)
 # (case, frames, the id the reply must carry, its status, a part its message must name)
 CASES: list[tuple[str, list[bytes], int, str, str]] = [
-    ("wrong_kind", [_env(99), _header(101), DATA], 101, "BAD_MESSAGE", "envelope"),
-    ("wrong_version", [P.ENVELOPE.pack(2, INLINE_REQUEST), _header(102), DATA], 102, "BAD_MESSAGE", "envelope"),
+    ("wrong_kind", [inline_envelope(99), _header(101), DATA], 101, "BAD_MESSAGE", "envelope"),
+    ("wrong_version", [P.ENVELOPE.pack(P.PROTOCOL_VERSION + 1, INLINE_REQUEST), _header(102), DATA], 102,
+     "BAD_MESSAGE", "envelope"),
     ("short_envelope", [b"\x01\x00", _header(103), DATA], 103, "BAD_MESSAGE", "envelope"),
     ("envelope_only", [REQ], 0, "BAD_MESSAGE", "frames"),
     ("header_not_json", [REQ, b"{nope", DATA], 0, "BAD_MESSAGE", "header"),
@@ -90,61 +101,22 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningB
         yield b, endpoints, tmp / "inline.log"
 
 
-@contextlib.contextmanager
-def _dealer(endpoint: str) -> Iterator[zmq.Socket[bytes]]:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    try:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.RCVHWM, 0)  # nothing dropped on our side however many replies wait
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.connect(endpoint)
-        yield sock
-    finally:
-        ctx.destroy(linger=0)
-
-
-def _good(rid: int, timeout_us: int = 0, x: np.ndarray = X) -> list[bytes]:
-    head = {"id": rid, "model": "tiny", "inputs": [{"name": "x", "dtype": "float32", "shape": list(x.shape)}],
-            "timeout_us": timeout_us}
-    return [REQ, msgspec.json.encode(head), x.tobytes()]
-
-
-def _replies(sock: zmq.Socket[bytes], count: int, wait_ms: int = 60_000) -> list[dict[str, Any]]:
-    """The headers of the next ``count`` replies, each awaited up to ``wait_ms``."""
-    heads: list[dict[str, Any]] = []
-    for _ in range(count):
-        assert sock.poll(wait_ms), f"{len(heads)} replies of {count} came: {heads[-3:]}"
-        frames = sock.recv_multipart()
-        assert frames[0] == _env(INLINE_REPLY), frames[:2]
-        heads.append(msgspec.json.decode(frames[1]))
-    return heads
-
-
-def _next_is_only(sock: zmq.Socket[bytes], rid: int) -> dict[str, Any]:
-    """Send a good request and return its reply, which must be the next one: no late or second reply of an
-    earlier request comes before it."""
-    sock.send_multipart(_good(rid))
-    (head,) = _replies(sock, 1)
-    assert head["id"] == rid, f"a reply of an earlier request came late: {head}"
-    return head
-
-
 @pytest.mark.parametrize(("frames", "rid", "status", "named"), [pytest.param(*c[1:], id=c[0]) for c in CASES])
 def test_a_malformed_request_gets_exactly_one_reply_with_its_id(
         gateway: tuple[RunningBroker, list[str], Path], frames: list[bytes], rid: int, status: str,
         named: str) -> None:
     _b, endpoints, log_path = gateway
     logged = log_path.stat().st_size
-    with _dealer(endpoints[0]) as sock:
+    with inline_dealer(endpoints[0]) as sock:
         sock.send_multipart(frames)
-        sock.send_multipart(_good(GOOD_ID))
-        heads = {h["id"]: h for h in _replies(sock, 2, 30_000)}
+        sock.send_multipart(tiny_request(GOOD_ID))
+        heads = {h["id"]: h for h in inline_replies(sock, 2, 30_000)}
         assert set(heads) == {rid, GOOD_ID}, heads
         assert (heads[rid]["status"], heads[rid]["outputs"]) == (status, []), heads[rid]
         assert named in heads[rid]["message"], heads[rid]
         assert len(heads[rid]["message"]) < 400, heads[rid]  # bounded, whatever the caller sent
         assert heads[GOOD_ID]["status"] == "OK", heads[GOOD_ID]  # the gateway goes on serving
-        assert _next_is_only(sock, GOOD_ID + 1)["status"] == "OK"
+        assert next_is_only(sock, GOOD_ID + 1)["status"] == "OK"
     with open(log_path, "rb") as fh:
         fh.seek(logged)
         assert b"Traceback" not in fh.read()  # what this request made the gateway log
@@ -153,26 +125,9 @@ def test_a_malformed_request_gets_exactly_one_reply_with_its_id(
 def test_past_max_pending_requests_are_overloaded_and_each_gets_one_reply(tmp_path: Path) -> None:
     """Cap 64, the worker stopped, 300 requests of 4 KiB on one DEALER: the first 64 are held, the other 236
     answered OVERLOADED at once; once the worker goes on, the 64 are answered OK, each once."""
-    with broker_with_gateway(tmp_path, "--max-pending", "64") as (b, endpoints), _dealer(endpoints[0]) as sock:
+    with broker_with_gateway(tmp_path, "--max-pending", "64") as (b, endpoints), inline_dealer(endpoints[0]) as sock:
         x = np.random.default_rng(4).standard_normal((4, 256), dtype=np.float32)  # 4 KiB
-        assert _next_is_only(sock, 1000)["status"] == "OK"  # linked and warm
-        workers = b.worker_pids()
-        for pid in workers:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            for rid in range(1, 301):
-                sock.send_multipart(_good(rid, timeout_us=120_000_000, x=x))  # held until the worker goes on
-            refused = _replies(sock, 236)
-        finally:
-            for pid in workers:
-                os.kill(pid, signal.SIGCONT)
-        assert sorted(h["id"] for h in refused) == list(range(65, 301)), [h["id"] for h in refused]
-        assert {h["status"] for h in refused} == {"OVERLOADED"}
-        assert "--max-pending 64" in refused[0]["message"], refused[0]
-        held = _replies(sock, 64)
-        assert sorted(h["id"] for h in held) == list(range(1, 65))
-        assert {h["status"] for h in held} == {"OK"}, [h for h in held if h["status"] != "OK"][:3]
-        assert _next_is_only(sock, 1001)["status"] == "OK"
+        flood_a_stalled_worker(b, sock, 300, 64, x, "--max-pending 64")
 
 
 def test_requests_whose_wait_ends_while_the_worker_is_stopped_are_answered_timeout_once(
@@ -181,22 +136,22 @@ def test_requests_whose_wait_ends_while_the_worker_is_stopped_are_answered_timeo
     waiting for one are each answered TIMEOUT, with the worker still stopped; once it goes on, the requests it
     then answers late get no second reply."""
     b, endpoints, _log = gateway
-    with _dealer(endpoints[0]) as sock:
-        assert _next_is_only(sock, 2000)["status"] == "OK"
+    with inline_dealer(endpoints[0]) as sock:
+        assert next_is_only(sock, 2000)["status"] == "OK"
         workers = b.worker_pids()
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
         try:
             for rid in range(1, 41):
-                sock.send_multipart(_good(rid, timeout_us=300_000))
-            heads = _replies(sock, 40, 30_000)
+                sock.send_multipart(tiny_request(rid, timeout_us=300_000))
+            heads = inline_replies(sock, 40, 30_000)
         finally:
             for pid in workers:
                 os.kill(pid, signal.SIGCONT)
         assert sorted(h["id"] for h in heads) == list(range(1, 41))
         assert {h["status"] for h in heads} == {"TIMEOUT"}, heads[:3]
         assert {"slot" in h["message"] for h in heads} == {True, False}  # waiting for a slot, and in one
-        assert _next_is_only(sock, 2001)["status"] == "OK"
+        assert next_is_only(sock, 2001)["status"] == "OK"
 
 
 def test_requests_held_at_a_stop_are_answered_before_the_gateway_exits(tmp_path: Path) -> None:
@@ -206,18 +161,19 @@ def test_requests_held_at_a_stop_are_answered_before_the_gateway_exits(tmp_path:
     gateway: subprocess.Popen[str] | None = None
     try:
         gateway, endpoints = start_inline(b, tmp_path / "inline.log")
-        with _dealer(endpoints[0]) as sock:
-            assert _next_is_only(sock, 3000)["status"] == "OK"
+        with inline_dealer(endpoints[0]) as sock:
+            assert next_is_only(sock, 3000)["status"] == "OK"
             workers = b.worker_pids()
             for pid in workers:
                 os.kill(pid, signal.SIGSTOP)
             try:
                 for rid in range(1, 6):
-                    sock.send_multipart(_good(rid, timeout_us=120_000_000))
-                sock.send_multipart([_env(INLINE_MODELS), b"{}"])  # answered once the 5 before it were taken in
-                assert sock.poll(60_000) and sock.recv_multipart()[0] == _env(INLINE_MODELS_REPLY)
+                    sock.send_multipart(tiny_request(rid, timeout_us=120_000_000))
+                # answered once the 5 before it were taken in
+                sock.send_multipart([inline_envelope(INLINE_MODELS), b"{}"])
+                assert sock.poll(60_000) and sock.recv_multipart()[0] == inline_envelope(INLINE_MODELS_REPLY)
                 gateway.terminate()
-                heads = _replies(sock, 5)
+                heads = inline_replies(sock, 5)
             finally:
                 for pid in workers:
                     os.kill(pid, signal.SIGCONT)
@@ -267,7 +223,7 @@ def test_tcp_without_curve_clients_is_warned_of_at_start(tmp_path: Path) -> None
             sock.curve_serverkey = public
             sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
             sock.connect(tcp)
-            head, _frames = _infer(sock, "tiny", "x", X)
+            head, _frames = infer_inline(sock, "tiny", "x", X)
             assert head["status"] == "OK"
         finally:
             ctx.destroy(linger=0)

@@ -15,7 +15,7 @@ from client.client import Outputs
 from client.errors import ShmBrokerError
 from client.receiving import SLOT_ANSWERS
 from tests.conftest import RunningBroker, arr
-from tests.test_e2e import direct
+from tests.models import direct
 
 
 def test_infer_threads_futures_and_callbacks_share_one_client(broker: RunningBroker) -> None:

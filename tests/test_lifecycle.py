@@ -18,13 +18,14 @@ from client import Client, WorkerDied
 from gpu_worker import model_source
 from gpu_worker.cuda import available as cuda_available
 from tests.conftest import REPO, arr, start_broker, write_config
-from tests.test_e2e import direct
+from tests.models import direct
 
 X = np.ones((1, 256), np.float32)
 
 
-def _session_segment(c: Client) -> Path:
-    return Path("/dev/shm") / c.segment.name
+def _ring_path(c: Client) -> str:
+    """The only path to a session's ring: its client's descriptor, through /proc."""
+    return f"/proc/{os.getpid()}/fd/{c.segment.fd}"
 
 
 @pytest.mark.parametrize("mode", ["process", "thread"])
@@ -36,11 +37,8 @@ def test_sigterm_removes_segments_sockets_and_children(tmp_path: Path, mode: str
     c = Client(b.runtime_dir)
     try:
         c.infer("tiny", X)
-        seg = _session_segment(c)
-        assert seg.exists()
+        assert b.segments() == {c.segment.name}  # the broker and its worker hold the ring
         assert b.stop() == 0
-        assert not seg.exists()
-        assert b.segments() == set()
         assert sorted(p.name for p in b.runtime_dir.iterdir()) == []
         for pid in children:
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -50,10 +48,8 @@ def test_sigterm_removes_segments_sockets_and_children(tmp_path: Path, mode: str
         c.close()
 
 
-def test_segment_and_socket_modes_are_private(process_broker) -> None:
-    with Client(process_broker.runtime_dir) as c:
-        st = os.stat(_session_segment(c))
-        assert stat.S_IMODE(st.st_mode) == 0o600
+def test_socket_modes_are_private(process_broker) -> None:
+    with Client(process_broker.runtime_dir):
         for sock in process_broker.runtime_dir.glob("*.sock"):
             assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600, sock.name
 
@@ -75,7 +71,7 @@ def _open_as_nobody(path: str) -> int:
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to uid 65534")
 def test_other_uid_cannot_open_a_session_segment(process_broker) -> None:
     with Client(process_broker.runtime_dir) as c:
-        assert _open_as_nobody(str(_session_segment(c))) == 13
+        assert _open_as_nobody(_ring_path(c)) == 13
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown to a group")
@@ -84,14 +80,13 @@ def test_configured_group_gives_0660(tmp_path: Path) -> None:
     b = start_broker(tmp_path, "process", extra=f'group = "{group}"')
     try:
         with Client(b.runtime_dir) as c:
-            st = os.stat(_session_segment(c))
-            assert stat.S_IMODE(st.st_mode) == 0o660
-            assert st.st_gid == grp.getgrnam(group).gr_gid
-            socks = list(b.runtime_dir.glob("*.sock"))  # the broker's, the worker's and the session's replies
-            assert len(socks) >= 4
+            gid = grp.getgrnam(group).gr_gid
+            socks = list(b.runtime_dir.glob("*.sock"))  # the broker's, the rings', the worker's, the replies
+            assert len(socks) >= 5
             for sock in socks:
                 sst = os.stat(sock)
-                assert (stat.S_IMODE(sst.st_mode), sst.st_gid) == (0o660, st.st_gid), sock.name
+                want = (0o600, 0) if sock.name == "workers.sock" else (0o660, gid)  # workers: the broker's only
+                assert (stat.S_IMODE(sst.st_mode), sst.st_gid) == want, sock.name
             np.testing.assert_allclose(arr(c.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
     finally:
         assert b.stop() == 0

@@ -30,8 +30,7 @@ from broker import protocol as P
 from broker.config import ConfigError, parse
 from broker.metrics import worker_families
 from gpu_worker.model_source import tiny_model_bytes
-from tests.conftest import REPO, TEST_MODELS, start_broker, write_config
-from tests.test_systemd import free_port
+from tests.conftest import REPO, TEST_MODELS, free_port, start_broker, write_config
 
 PROBE_ONCE = "probe_interval_ms = 3000000\nready_max_age_ms = 3600000\n"  # one probe per model, at start
 

@@ -6,36 +6,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from broker import protocol as P
 from broker.protocol import SlotState
 from client import Client
 from tests.conftest import RunningBroker, start_broker
+from tests.models import two_io_model
 from tests.rawclient import RawClient
-
-W = np.arange(8, dtype=np.float32).reshape(4, 2) / 10
-
-
-def two_io_model(path: Path) -> Path:
-    """a [N,4], b [N,2] -> y = a @ W + b [N,2], r = Relu(a) [N,4]."""
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["a", "W"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"]),
-         helper.make_node("Relu", ["a"], ["r"])],
-        "two_io",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["N", 4]),
-         helper.make_tensor_value_info("b", TensorProto.FLOAT, ["N", 2])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2]),
-         helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", 4])],
-        initializer=[numpy_helper.from_array(W, "W")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    onnx.save(model, path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +26,7 @@ def two_io(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningBr
     try:
         yield b, model
     finally:
-        assert b.stop() == 0
-        assert b.segments() == set()
+        assert b.stop_released() == 0
 
 
 def expected(model: Path, a: np.ndarray, b: np.ndarray) -> list[np.ndarray]:

