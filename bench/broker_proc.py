@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+import psutil
+
 from bench.common import BenchError, Figures, Progress
 from broker import protocol as P
 from broker import ring, runtime
@@ -24,6 +26,7 @@ from broker.ask import ask_broker
 SHM_DIR = Path("/dev/shm")
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
+RELEASE_WAIT_S = 5.0
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
@@ -32,13 +35,6 @@ def _die_with_bench() -> None:
     """preexec_fn of the broker: SIGTERM it (a clean stop) should the bench process die without stopping it."""
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-
-
-def project_segments() -> set[str]:
-    try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith(ring.NAME_PREFIX)}
-    except FileNotFoundError:
-        return set()
 
 
 class BrokerProcess:
@@ -54,13 +50,10 @@ class BrokerProcess:
         self.startup_s: float | None = None  # None: never became ready
         self.exit_code: int | None = None
         self.killed = False
-        self.segments_before: set[str] = set()
         self.leaked: list[str] = []
-        self.foreign_new: list[str] = []
         self._log: IO[bytes] | None = None
 
     def start(self) -> None:
-        self.segments_before = project_segments()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env[runtime.ENV_VAR] = str(self.runtime_dir)  # the workers and any helper resolve the same dir
         cmd = [sys.executable, "-m", "broker.cli", "--runtime-dir", str(self.runtime_dir), "serve",
@@ -100,10 +93,12 @@ class BrokerProcess:
         return reply if isinstance(reply, P.StatsReply) else None
 
     def stop(self) -> None:
-        """SIGTERM, wait, SIGKILL as a last resort; then look for segments this broker left."""
+        """Look for rings the broker still holds once every client has gone; then SIGTERM, wait, SIGKILL as a
+        last resort."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
+            self.leaked = sorted(self._held_after_clients())
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(STOP_TIMEOUT_S)
@@ -115,11 +110,17 @@ class BrokerProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
-        after = project_segments()
-        mine = f"{ring.NAME_PREFIX}{self.instance}-" if self.instance else None
-        new = sorted(after - self.segments_before)
-        self.leaked = [n for n in new if mine is None or n.startswith(mine)]
-        self.foreign_new = [n for n in new if n not in self.leaked]
+
+    def _held_after_clients(self) -> set[str]:
+        """Rings the broker or its workers hold after the bench's clients closed, once the broker has had
+        ``RELEASE_WAIT_S`` to handle their BYEs (its loop does, not at once)."""
+        if self.proc is None or not self.instance:
+            return set()
+        pids = [self.proc.pid, *(c.pid for c in psutil.Process(self.proc.pid).children(recursive=True))]
+        end = time.monotonic() + RELEASE_WAIT_S
+        while (held := set(ring.held_rings(pids, self.instance))) and time.monotonic() < end:
+            time.sleep(0.05)
+        return held
 
     def shutdown_figures(self) -> Figures:
         return {
@@ -129,7 +130,6 @@ class BrokerProcess:
             "killed": self.killed,
             "shm_leaked": self.leaked,
             "shm_clean": not self.leaked and not self.killed and self.exit_code == 0,
-            "other_new_segments": self.foreign_new,  # another broker on this machine made these
         }
 
     def log_tail(self, chars: int = 4000) -> str:

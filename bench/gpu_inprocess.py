@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from bench.common import Figures, Progress
 from broker.config import Config
-from broker.ring import RingLayout, Segment, new_segment_name
+from broker.ring import RingLayout, Segment, segment_name
 from gpu_worker import cuda, model_source
 from gpu_worker.engines import load_engine
 from gpu_worker.engines.base import DeviceEngine
@@ -142,7 +142,7 @@ def copies(device: int, in_bytes: int, out_bytes: int) -> Figures:
     cuda.set_device(device)
     n_max = max(COPY_COUNTS)
     layout = RingLayout(1, n_max, in_bytes, max(out_bytes, 64))
-    seg = Segment.create(new_segment_name("bench" + secrets.token_hex(4)), layout)
+    seg = Segment.create(segment_name("bench" + secrets.token_hex(4), 0), layout)
     stream = cuda.Stream()
     start, end = cuda.Event(timing=True), cuda.Event(timing=True)
     out: Figures = {"in_bytes": in_bytes, "out_bytes": out_bytes, "reps": COPY_REPS,
@@ -164,7 +164,6 @@ def copies(device: int, in_bytes: int, out_bytes: int) -> Figures:
         if registered:
             cuda.host_unregister(seg.address)
         seg.close()
-        seg.unlink()
         stream.close()
     return out
 

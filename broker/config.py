@@ -39,8 +39,13 @@ class SessionsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # rows a request may have when the client does not say (0: the largest max_batch of the served models)
     default_max_items: Annotated[int, Meta(ge=0, le=4096)] = 0
     max_session_mib: Annotated[int, Meta(ge=1, le=1 << 20)] = 4096
-    # the broker refuses to start unless /dev/shm can hold this many default-size rings (broker.shm_space)
-    reserve_sessions: Annotated[int, Meta(ge=0, le=1 << 20)] = 1
+    # caps on what clients hold at once (sessions in set-up included), all users together and each uid: a
+    # HELLO past one gets LIMIT naming the key. Ring memory is RAM: 0 means half the machine's memory, and
+    # half of max_ring_mib per uid. systemd/shmbroker.service's LimitNOFILE is sized for max_sessions.
+    max_sessions: Annotated[int, Meta(ge=1, le=16384)] = 1024
+    max_sessions_per_uid: Annotated[int, Meta(ge=1, le=16384)] = 256
+    max_ring_mib: Annotated[int, Meta(ge=0, le=1 << 30)] = 0
+    max_ring_mib_per_uid: Annotated[int, Meta(ge=0, le=1 << 30)] = 0
 
 
 class WorkerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -63,7 +68,7 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_batch: Annotated[int, Meta(ge=1, le=4096)] = 8
     max_queue_delay_us: Annotated[int, Meta(ge=0, le=10_000_000)] = 1000
     # a batch leaves at once, without max_queue_delay_us, while an engine instance (CPU) or the GPU is idle;
-    # false: every batch waits by Triton's rule (bench/RESULTS.md, "Idle dispatch")
+    # false: every batch waits by Triton's rule (bench/RESULTS.md#idle-dispatch)
     idle_dispatch: bool = True
     preferred_batch_sizes: list[Annotated[int, Meta(ge=1, le=4096)]] = msgspec.field(default_factory=list)
     max_queue_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 256
@@ -154,6 +159,8 @@ def _check(cfg: Config, source: str) -> None:
     if mon.probe_interval_ms and mon.ready_max_age_ms < mon.probe_interval_ms + mon.probe_timeout_ms:
         raise ConfigError(f"{source}: key 'monitoring.ready_max_age_ms': must be at least probe_interval_ms + "
                           f"probe_timeout_ms ({mon.probe_interval_ms + mon.probe_timeout_ms}), or readiness flaps")
+    if cfg.sessions.max_sessions_per_uid > cfg.sessions.max_sessions:
+        raise ConfigError(f"{source}: key 'sessions.max_sessions_per_uid': must not exceed sessions.max_sessions")
     if cfg.sessions.default_slots > cfg.sessions.max_slots:
         raise ConfigError(f"{source}: key 'sessions.default_slots': must not exceed sessions.max_slots")
     if cfg.broker.group:

@@ -6,8 +6,9 @@ drops the lock when the last descriptor of that open file goes, that is when the
 (SIGKILL included) or closes the segment. The broker tests it with a non-blocking *exclusive* lock on
 its own descriptor of the same segment: refused means a client still holds it.
 
-A client that takes no lock (an older or minimal client) is checked by its HELLO pid instead, which is
-only right when it shares the broker's pid namespace. The broker decides which, once, at ATTACHED.
+A client that takes no lock (a minimal client) is checked by the pid the kernel reported for its HELLO
+(SO_PEERCRED) instead, which works only when it shares the broker's pid namespace; one the kernel reported as
+pid 0 (another namespace) must take the lock. The broker decides which, once, at ATTACHED.
 """
 
 from __future__ import annotations
@@ -38,5 +39,5 @@ def lock_held(segment: Segment) -> bool:
 
 
 def client_alive(segment: Segment, pid: int, by_lock: bool) -> bool:
-    """The broker's periodic check: the lock for clients that took it at ATTACHED, else the HELLO pid."""
+    """The broker's periodic check: the lock for clients that took it at ATTACHED, else the kernel's pid."""
     return lock_held(segment) if by_lock else psutil.pid_exists(pid)

@@ -20,7 +20,7 @@ import numpy as np
 
 from broker.config import SessionsSection
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_DIMS = 8
 HELLO_NAME_MAX = 256  # Hello.name's most characters: a bound on the HELLO, so on the control socket's frames
 
@@ -64,6 +64,9 @@ class MsgKind(enum.IntEnum):
     # client <-> worker (data plane, binary bodies)
     SUBMIT = 32
     DONE = 33
+    # client or worker <-> broker (the ring handout socket, binary records; the ring travels by SCM_RIGHTS)
+    RING_REQUEST = 50
+    RING_GRANT = 51
 
 
 class Status(enum.IntEnum):
@@ -203,7 +206,7 @@ class Hello(msgspec.Struct, frozen=True):
 
 class Setup(msgspec.Struct, frozen=True):
     session_id: int
-    segment: str
+    token: int  # the session's secret: asks for the ring (RING_REQUEST), and authenticates each SUBMIT
     segment_bytes: int
     n_slots: int
     slot_stride: int
@@ -331,13 +334,13 @@ class WorkerFailed(msgspec.Struct, frozen=True):
 class Attach(msgspec.Struct, frozen=True):
     session_id: int
     token: int
-    segment: str
     segment_bytes: int
     n_slots: int
     slot_stride: int
     in_capacity: int
     out_capacity: int
     max_items: int
+    client_uid: int  # the only user, besides the worker's own, whose connection to the reply socket is admitted
 
 
 class AttachOk(msgspec.Struct, frozen=True):
@@ -464,6 +467,22 @@ def decode_as(frames: list[bytes], expected: type[T]) -> T:
     if not isinstance(msg, expected):
         raise ProtocolError(f"expected {KIND_OF[expected].name}, got {KIND_OF[type(msg)].name}")
     return msg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ring handout (one SOCK_SEQPACKET exchange on rings.sock; docs/PROTOCOL.md §3.2)
+
+RING_REQUEST = struct.Struct("<HHIQ")  # kind (RING_REQUEST), protocol version, session_id, token
+RING_GRANT = struct.Struct("<HHQ")  # kind (RING_GRANT), GrantStatus, segment_bytes; + the descriptor when OK
+
+
+class GrantStatus(enum.IntEnum):
+    """The broker's answer to RING_REQUEST; only OK carries a descriptor."""
+
+    OK = 0
+    BAD_REQUEST = 1  # not one RING_REQUEST record of this protocol version
+    NO_SESSION = 2  # no live session with this id and token
+    WRONG_USER = 3  # the connecting process's uid is neither the session's client's nor the broker's
 
 
 # ---------------------------------------------------------------------------------------------------------

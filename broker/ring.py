@@ -1,4 +1,5 @@
-"""The session ring: one POSIX shared-memory segment of fixed-size slots, and the checks on every descriptor.
+"""The session ring: one sealed shared-memory segment (a memfd) of fixed-size slots, and the checks on every
+descriptor.
 
 Byte layout (all little-endian; docs/PROTOCOL.md has the same table):
 
@@ -6,17 +7,22 @@ Byte layout (all little-endian; docs/PROTOCOL.md has the same table):
     slot    = slot header (SLOT_HEADER_BYTES) | input region (in_capacity) | output region (out_capacity)
 
 Ordering rule: a writer writes the payload, then the slot header's other words, then the state word last;
-a reader reads the state word first. Only the creator (the broker) unlinks a segment.
+a reader reads the state word first.
+
+A segment has no name in any file system: the broker creates it with ``memfd_create``, seals its size
+(``F_SEAL_SHRINK | F_SEAL_GROW``), and hands a descriptor to the session's client and workers only
+(broker.handout). Nobody can shrink it under another process's mapping (no SIGBUS), and the kernel frees it
+when the last descriptor and mapping go.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import math
 import mmap
 import os
-import secrets
 import struct
 import weakref
 from dataclasses import dataclass, field
@@ -46,8 +52,8 @@ LAYOUT_VERSION = 1
 HEADER_BYTES = 4096
 REGION_ALIGN = 256
 SLOT_ALIGN = 4096
-SHM_DIR = "/dev/shm"
-NAME_PREFIX = "shmb-"
+NAME_PREFIX = "shmb-"  # of the memfd's name, seen only in /proc/PID/maps and /proc/PID/fd
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 # magic, version, header_bytes, session_id, n_slots, slot_stride, slot_header, in_cap, out_cap, total, pid
 SEGMENT_HEADER = struct.Struct("<8sIIIIQQQQQI")
@@ -118,15 +124,10 @@ def pack_offsets(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def new_segment_name(instance: str) -> str:
-    """An unguessable name with the project prefix and the broker instance (for the janitor)."""
-    return f"{NAME_PREFIX}{instance}-{secrets.token_hex(16)}"
-
-
-def _path(name: str) -> str:
-    if "/" in name or not name.startswith(NAME_PREFIX):
-        raise RingError(f"segment name must start with {NAME_PREFIX!r} and hold no '/'")
-    return os.path.join(SHM_DIR, name)
+def segment_name(instance: str, session_id: int) -> str:
+    """The memfd's name: the project prefix, the broker instance and the session (for a person reading
+    /proc/PID/maps; nothing looks a segment up by name)."""
+    return f"{NAME_PREFIX}{instance}-s{session_id}"
 
 
 def _close_mapping(mm: mmap.mmap, fd: int) -> None:
@@ -139,7 +140,7 @@ def _close_mapping(mm: mmap.mmap, fd: int) -> None:
 
 
 class Segment:
-    """A mapped ring segment. ``close()`` unmaps; ``unlink()`` (creator only) removes the name."""
+    """A mapped ring segment. ``close()`` unmaps and closes this process's descriptor."""
 
     def __init__(self, name: str, fd: int, size: int, layout: RingLayout, creator: bool) -> None:
         self.name = name
@@ -158,18 +159,16 @@ class Segment:
         self._finalizer = weakref.finalize(self, _close_mapping, self._mm, fd)
 
     @classmethod
-    def create(cls, name: str, layout: RingLayout, mode: int = 0o600, gid: int | None = None) -> Segment:
-        path = _path(name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    def create(cls, name: str, layout: RingLayout) -> Segment:
+        """A new sealed segment of ``layout.total_bytes`` (zero-filled pages, allocated as they are first
+        touched) with its header written."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.fchmod(fd, mode)  # the umask must not widen or narrow the configured mode
-            if gid is not None:
-                os.fchown(fd, -1, gid)
-            _allocate(fd, layout.total_bytes)
+            os.ftruncate(fd, layout.total_bytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
             seg = cls(name, fd, layout.total_bytes, layout, creator=True)
         except BaseException:
             os.close(fd)
-            os.unlink(path)
             raise
         SEGMENT_HEADER.pack_into(
             seg.buf, 0, MAGIC, LAYOUT_VERSION, HEADER_BYTES, layout.session_id, layout.n_slots,
@@ -179,19 +178,30 @@ class Segment:
         return seg
 
     @classmethod
-    def open(cls, name: str, expected: RingLayout) -> Segment:
-        """Map an existing segment and check that its header matches the layout the broker announced."""
-        fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW)
+    def from_fd(cls, fd: int, expected: RingLayout) -> Segment:
+        """Map a received segment descriptor (taking ownership of ``fd``) and check that it is sealed against
+        resizing, its size and its header match the layout the broker announced."""
         try:
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0  # not a memfd
+            if seals & SIZE_SEALS != SIZE_SEALS:
+                raise RingError("segment descriptor: not a memfd sealed against shrinking and growing")
             size = os.fstat(fd).st_size
             if size != expected.total_bytes:
                 raise RingError(f"segment is {size} bytes; the session announced {expected.total_bytes}")
-            seg = cls(name, fd, size, expected, creator=False)
+            seg = cls(_memfd_name(fd), fd, size, expected, creator=False)
         except BaseException:
             os.close(fd)
             raise
         seg._verify_header()
         return seg
+
+    def duplicate(self) -> int:
+        """A new descriptor of this segment with an open file description of its own, for another process:
+        its liveness lock must not be this one's (broker.liveness). The caller closes it."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
 
     def _verify_header(self) -> None:
         magic, version, hbytes, sid, n_slots, stride, shb, in_cap, out_cap, total, _pid = (
@@ -294,13 +304,38 @@ class Segment:
             log.debug("views of session %d's segment still exist", self.layout.session_id)
         self._finalizer()
 
-    def unlink(self) -> None:
-        if not self.creator:
-            raise RingError("only the creator of a segment unlinks it")
+
+def held_rings(pids: list[int], instance: str) -> dict[str, str]:
+    """The rings of broker ``instance`` that processes ``pids`` hold open or mapped, by name, each with a
+    ``/proc`` path that opens it ("" when only mapped): what a leak check or an operator can see of them."""
+    prefix = f"/memfd:{NAME_PREFIX}{instance}-"
+    found: dict[str, str] = {}
+    for pid in pids:
         try:
-            os.unlink(_path(self.name))
-        except FileNotFoundError:
-            log.warning("segment of session %d was already gone", self.layout.session_id)
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith(prefix):
+                found.setdefault(link.removeprefix("/memfd:").removesuffix(" (deleted)"), f"/proc/{pid}/fd/{fd}")
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    at = line.find(prefix)
+                    if at >= 0:
+                        found.setdefault(line[at:].strip().removeprefix("/memfd:").removesuffix(" (deleted)"), "")
+        except OSError:
+            continue
+    return found
+
+
+def _memfd_name(fd: int) -> str:
+    """The name the creator gave a memfd (``/proc/self/fd`` shows ``/memfd:NAME (deleted)``)."""
+    return os.readlink(f"/proc/self/fd/{fd}").removeprefix("/memfd:").removesuffix(" (deleted)")
 
 
 def _base_address(mm: mmap.mmap) -> int:
@@ -311,28 +346,3 @@ def _base_address(mm: mmap.mmap) -> int:
         return ctypes.addressof(view)
     finally:
         del view
-
-
-def _allocate(fd: int, size: int) -> None:
-    """Reserve the pages now, so a full /dev/shm fails here with ENOSPC and not later with SIGBUS."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        raise RingError(
-            f"cannot reserve {size} bytes in {SHM_DIR} ({exc.strerror}); enlarge it (docker: --shm-size) "
-            "or lower [sessions] default_slots / the models' max_batch"
-        ) from None
-
-
-def unlink_instance_segments(instance: str) -> int:
-    """Remove every segment of one (dead) broker instance; the janitor's tool. Returns how many."""
-    prefix = f"{NAME_PREFIX}{instance}-"
-    removed = 0
-    for entry in os.scandir(SHM_DIR):
-        if entry.name.startswith(prefix):
-            try:
-                os.unlink(entry.path)
-                removed += 1
-            except FileNotFoundError:
-                continue
-    return removed

@@ -19,9 +19,10 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from broker import liveness, ring, runtime, shm_space
+from broker import liveness, ring, runtime
 from broker import protocol as P
 from broker.config import Config
+from broker.handout import Peer, RingHandout, peer_of_frame
 from broker.health import health_reply
 from broker.notify import Notifier
 from broker.ops import Operations
@@ -49,7 +50,7 @@ class StatsQuery:
 
 
 class Broker:
-    """Invariant: a segment is unlinked only after every worker that mapped it detached or died."""
+    """Invariant: a session is forgotten only after every worker that mapped its ring detached or died."""
 
     def __init__(self, cfg: Config, runtime_dir: Path | None = None, notifier: Notifier | None = None) -> None:
         self.cfg = cfg
@@ -63,23 +64,22 @@ class Broker:
         self.supervisor = Supervisor(cfg, self.runtime_dir)
         self.models: list[P.ModelInfo] = []
         self._health_waiters: list[Waiter] = []
-        self._pending_hellos: list[tuple[bytes, P.Hello, float]] = []
+        self._pending_hellos: list[tuple[bytes, P.Hello, Peer, float]] = []
         self._stats: dict[int, StatsQuery] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         # any client may send here: ZeroMQ closes the connection of one that sends a frame over the largest legal
         # control message, before it is read into memory
         self.control = self._bind(runtime.CONTROL_SOCKET, P.CONTROL_MAXMSGSIZE)
-        self.workers_sock = self._bind(runtime.WORKERS_SOCKET)
+        # the workers' channel carries every session's token: the broker's own user only, whatever the group
+        self.workers_sock = self._bind(runtime.WORKERS_SOCKET, mode=0o600, gid=None)
+        self.handout = RingHandout(self.runtime_dir / runtime.RINGS_SOCKET, cfg.file_mode, cfg.group_id(),
+                                   self.sessions.grantable, cfg.broker.handshake_timeout_ms / 1e3)
         self._closed = False
         self._fatal = ""  # a start-up check failed (e.g. /dev/shm too small): serve() stops and raises it
 
     def _janitor(self) -> None:
-        """Remove what a dead broker left in this runtime dir and in /dev/shm (we hold the lock: it is dead)."""
-        prev = runtime.previous_instance(self.runtime_dir)
-        if prev:
-            n = ring.unlink_instance_segments(prev)
-            if n:
-                log.warning("removed %d segments left by a previous broker", n)
+        """Remove the socket files a dead broker left in this runtime dir (we hold the lock: it is dead). Its
+        rings went with its processes: they have no names."""
         n = runtime.clean_stale_sockets(self.runtime_dir)
         if n:
             log.warning("removed %d socket files left by a previous broker", n)
@@ -87,16 +87,17 @@ class Broker:
         with os.fdopen(fd, "w") as f:
             f.write(self.instance + "\n")
 
-    def _bind(self, name: str, max_frame: int = -1) -> zmq.Socket[bytes]:
-        """A ROUTER bound to ``name`` in the runtime dir; ``max_frame`` (ZMQ_MAXMSGSIZE, -1: none) bounds what a
-        peer may send in one frame."""
+    def _bind(self, name: str, max_frame: int = -1, mode: int | None = None, gid: int | None = -1) -> zmq.Socket[bytes]:
+        """A ROUTER bound to ``name`` in the runtime dir with the configured file mode and group (or ``mode`` and
+        ``gid``); ``max_frame`` (ZMQ_MAXMSGSIZE, -1: none) bounds what a peer may send in one frame."""
         s = self._ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a silent drop
         s.setsockopt(zmq.MAXMSGSIZE, max_frame)
         addr = runtime.endpoint(self.runtime_dir, name)
         s.bind(addr)
-        runtime.secure_socket_file(addr, self.cfg.file_mode, self.cfg.group_id())
+        runtime.secure_socket_file(addr, self.cfg.file_mode if mode is None else mode,
+                                   self.cfg.group_id() if gid == -1 else gid)
         return s
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -113,15 +114,20 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.workers_sock, zmq.POLLIN)
+        handout_fds: set[int] = set()
         last_liveness = time.monotonic()
         try:
             while not stop.is_set() and not self._fatal:
+                handout_fds = self._poll_handout(poller, handout_fds)
                 events = dict(poller.poll(POLL_MS))  # (1)
+                now = time.monotonic()
                 if self.control in events:
                     self._drain(self.control, self._on_client)  # (2)
                 if self.workers_sock in events:
                     self._drain(self.workers_sock, self._on_worker)  # (3)
-                now = time.monotonic()
+                for fd in handout_fds & events.keys():
+                    self.handout.on_readable(fd, now)  # (2b) rings to clients and workers
+                self.handout.expire(now)
                 for w in self.supervisor.check(now):  # (4)
                     self._worker_died(w)
                 self._timers(now)  # (5)
@@ -137,12 +143,22 @@ class Broker:
         if self._fatal:
             raise RuntimeError(self._fatal)
 
-    def _drain(self, sock: zmq.Socket[bytes], handler: Callable[[bytes, msgspec.Struct], None]) -> None:
+    def _poll_handout(self, poller: zmq.Poller, registered: set[int]) -> set[int]:
+        """Keep the poller's set of handout descriptors equal to the handout's; returns the new set."""
+        wanted = set(self.handout.fds())
+        for fd in registered - wanted:
+            poller.unregister(fd)
+        for fd in wanted - registered:
+            poller.register(fd, zmq.POLLIN)
+        return wanted
+
+    def _drain(self, sock: zmq.Socket[bytes], handler: Callable[[bytes, msgspec.Struct, Peer | None], None]) -> None:
         for _ in range(1000):
             try:
-                identity, *frames = sock.recv_multipart(zmq.NOBLOCK)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            identity, frames = parts[0].bytes, [f.bytes for f in parts[1:]]
             try:
                 msg = P.decode(frames)
             except P.ProtocolError as exc:
@@ -150,7 +166,8 @@ class Broker:
                 code = "BAD_VERSION" if isinstance(exc, P.VersionError) else "BAD_MESSAGE"
                 self._send(sock, identity, P.ErrorReply(code, str(exc)))
                 continue
-            handler(identity, msg)
+            # the kernel's word on who sent it (SO_PEERCRED via libzmq), never the message's
+            handler(identity, msg, peer_of_frame(parts[0]))
 
     def _send(self, sock: zmq.Socket[bytes], identity: bytes, msg: msgspec.Struct) -> bool:
         try:
@@ -164,13 +181,18 @@ class Broker:
         return health_reply(self.cfg, self.supervisor).ready
 
     # -- clients --------------------------------------------------------------------------------------------
-    def _on_client(self, identity: bytes, msg: msgspec.Struct) -> None:
+    def _on_client(self, identity: bytes, msg: msgspec.Struct, peer: Peer | None) -> None:
         if isinstance(msg, P.Hello):
             if msg.protocol != P.PROTOCOL_VERSION:
                 self._send(self.control, identity, P.ErrorReply(
                     "BAD_VERSION", f"HELLO.protocol {msg.protocol}: this broker speaks {P.PROTOCOL_VERSION}"))
                 return
-            self._pending_hellos.append((identity, msg, time.monotonic() + self.cfg.broker.handshake_timeout_ms / 1e3))
+            if peer is None:  # only over ipc does the kernel name the peer; the control socket is ipc only
+                self._send(self.control, identity, P.ErrorReply("BAD_HELLO", "the broker cannot tell which user "
+                                                                              "sent this HELLO"))
+                return
+            deadline = time.monotonic() + self.cfg.broker.handshake_timeout_ms / 1e3
+            self._pending_hellos.append((identity, msg, peer, deadline))
             self._serve_hellos()
         elif isinstance(msg, P.Attached):
             self._client_attached(identity, msg)
@@ -190,15 +212,15 @@ class Broker:
         if not self.models:
             return  # no worker has reported the models yet; the HELLOs wait (see _timers)
         hellos, self._pending_hellos = self._pending_hellos, []
-        for identity, hello, _deadline in hellos:
+        for identity, hello, peer, _deadline in hellos:
             try:
-                s = self.sessions.create(hello, identity, self.models)
+                s = self.sessions.create(hello, identity, peer, self.models)
             except SessionError as exc:
                 self._send(self.control, identity, P.ErrorReply(exc.code, str(exc)))
                 continue
             except OSError as exc:  # strerror only: the text goes to a client and names no segment or path
                 self._send(self.control, identity, P.ErrorReply(
-                    "NO_SHM", f"cannot create the session's ring in {ring.SHM_DIR}: {exc.strerror}"))
+                    "NO_SHM", f"cannot create the session's ring: {exc.strerror}"))
                 continue
             except ring.RingError as exc:
                 self._send(self.control, identity, P.ErrorReply("NO_SHM", str(exc)))
@@ -213,7 +235,8 @@ class Broker:
                                                                          "is not a session in set-up"))
             return
         s.phase = Phase.ATTACHING
-        s.by_lock = liveness.lock_held(s.segment)  # a client that locks took the lock before ATTACHED
+        # a client that locks took the lock before ATTACHED; one the kernel could not give a pid for must lock
+        s.by_lock = liveness.lock_held(s.segment) or s.peer.pid == 0
         s.deadline = time.monotonic() + self.cfg.broker.handshake_timeout_ms / 1e3
         for w in self.supervisor.ready_workers():
             self._attach(s, w)
@@ -246,6 +269,7 @@ class Broker:
             return
         log.info("closing session %d: %s", s.session_id, why)
         s.phase = Phase.CLOSING
+        self.sessions.uncount(s)
         s.deadline = time.monotonic() + self.cfg.broker.handshake_timeout_ms / 1e3
         for wid in s.attached | s.pending_attach:
             w = self.supervisor.workers[wid]
@@ -260,8 +284,9 @@ class Broker:
 
     def _reap_dead_clients(self) -> None:
         for s in list(self.sessions.by_id.values()):
-            if s.phase is not Phase.CLOSING and not liveness.client_alive(s.segment, s.pid, s.by_lock):
-                self._close_session(s, "its client's lock was released" if s.by_lock else f"client pid {s.pid} is gone")
+            if s.phase is not Phase.CLOSING and not liveness.client_alive(s.segment, s.peer.pid, s.by_lock):
+                self._close_session(s, "its client's lock was released" if s.by_lock else
+                                    f"client pid {s.peer.pid} is gone")
 
     def _health(self, identity: bytes, msg: P.Health) -> None:
         reply = health_reply(self.cfg, self.supervisor)
@@ -285,10 +310,15 @@ class Broker:
             self._send(self.control, q.identity, P.StatsReply(sorted(q.replies, key=lambda r: r.worker_id)))
 
     # -- workers --------------------------------------------------------------------------------------------
-    def _on_worker(self, identity: bytes, msg: msgspec.Struct) -> None:
+    def _on_worker(self, identity: bytes, msg: msgspec.Struct, peer: Peer | None) -> None:
         if isinstance(msg, P.WorkerHello):
             if msg.protocol != P.PROTOCOL_VERSION or not 0 <= msg.worker_id < len(self.supervisor.workers):
                 log.error("refused a worker HELLO: %s", msg)
+                return
+            launch = self.supervisor.workers[msg.worker_id].launch
+            if peer is None or launch is None or peer.pid != launch.pid:
+                log.error("refused a worker HELLO for worker %d from %s: not the process the broker started (pid %s)",
+                          msg.worker_id, peer, launch.pid if launch else None)
                 return
             self.supervisor.workers[msg.worker_id].identity = identity
             return
@@ -321,11 +351,6 @@ class Broker:
             log.error("worker %d: %s %s", w.worker_id, msg.code, msg.message)
 
     def _worker_ready(self, w: WorkerSlot, msg: P.WorkerReady) -> None:
-        if not self.models:  # slot sizes are known now: can /dev/shm hold the configured rings?
-            self._fatal = shm_space.check(self.cfg, msg.models) or ""
-            if self._fatal:
-                log.error("%s", self._fatal)
-                return
         self.supervisor.ready(w)
         w.endpoint = msg.endpoint
         w.models = msg.models
@@ -406,13 +431,13 @@ class Broker:
                 self._close_session(s, "handshake timeout")
         if self._pending_hellos:
             keep = []
-            for identity, hello, deadline in self._pending_hellos:
+            for identity, hello, peer, deadline in self._pending_hellos:
                 if now > deadline:
                     self._send(self.control, identity, P.ErrorReply(
                         "NOT_READY", "no worker has loaded the models yet; raise broker.handshake_timeout_ms, or "
                         "wait with `shmbroker health --wait`"))
                 else:
-                    keep.append((identity, hello, deadline))
+                    keep.append((identity, hello, peer, deadline))
             self._pending_hellos = keep
         if self._health_waiters:
             reply = health_reply(self.cfg, self.supervisor)
@@ -441,9 +466,10 @@ class Broker:
                 self._send(self.workers_sock, w.identity, P.Shutdown())
         self.supervisor.stop_all()
         self.sessions.destroy_all()
+        self.handout.close()
         self._ctx.destroy(linger=0)
         runtime.clean_stale_sockets(self.runtime_dir)
         for name in (runtime.INSTANCE_FILE, runtime.LOCK_FILE):
             (self.runtime_dir / name).unlink(missing_ok=True)
         self._lock.release()
-        log.info("broker stopped; sockets and segments removed")
+        log.info("broker stopped; sockets removed, rings released")

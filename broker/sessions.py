@@ -1,7 +1,8 @@
 """The broker's session table: sizing and creating rings, and each session's handshake state.
 
-A session moves SETUP_SENT -> ATTACHING -> READY -> CLOSING -> gone. Its segment is unlinked only when
-no worker still maps it (every attached worker answered DETACH_OK, or died).
+A session moves SETUP_SENT -> ATTACHING -> READY -> CLOSING -> gone. Its segment is a sealed memfd that the
+broker hands to the session's client and workers only (broker.handout); the table counts sessions and ring
+bytes per uid and in all against the [sessions] caps.
 """
 
 from __future__ import annotations
@@ -10,15 +11,23 @@ import enum
 import logging
 import math
 import secrets
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+import psutil
 
 from broker import protocol as P
 from broker.config import Config
-from broker.ring import RingLayout, Segment, new_segment_name, pack_offsets
+from broker.handout import Grantable, Peer
+from broker.ring import RingLayout, Segment, pack_offsets, segment_name
 
 log = logging.getLogger(__name__)
+
+# The most descriptors one session costs the broker or a worker: the ring, the client's control and data
+# connections, the worker's reply socket (listening and connected) and spare. systemd/shmbroker.service's
+# LimitNOFILE is sized from it; tests/test_resources.py measures it.
+FDS_PER_SESSION = 8
 
 
 class SessionError(Exception):
@@ -40,7 +49,7 @@ class Phase(enum.Enum):
 class BrokerSession:
     session_id: int
     identity: bytes  # the client's routing id on the control socket
-    pid: int
+    peer: Peer  # the client process as the kernel saw it connect (not what HELLO says)
     token: int
     segment: Segment
     max_items: int
@@ -51,19 +60,20 @@ class BrokerSession:
     pending_detach: set[int] = field(default_factory=set)
     reply_endpoints: dict[int, str] = field(default_factory=dict)
     by_lock: bool = False  # liveness by the client's segment lock (broker.liveness), else by its pid
+    counted: bool = True  # against the caps: until it starts closing
 
     def setup(self, models: list[P.ModelInfo], timeout_ms: int) -> P.Setup:
         lay = self.segment.layout
         return P.Setup(
-            self.session_id, self.segment.name, lay.total_bytes, lay.n_slots, lay.slot_stride, lay.in_capacity,
+            self.session_id, self.token, lay.total_bytes, lay.n_slots, lay.slot_stride, lay.in_capacity,
             lay.out_capacity, self.max_items, models, timeout_ms,
         )
 
     def attach_msg(self) -> P.Attach:
         lay = self.segment.layout
         return P.Attach(
-            self.session_id, self.token, self.segment.name, lay.total_bytes, lay.n_slots, lay.slot_stride,
-            lay.in_capacity, lay.out_capacity, self.max_items,
+            self.session_id, self.token, lay.total_bytes, lay.n_slots, lay.slot_stride, lay.in_capacity,
+            lay.out_capacity, self.max_items, self.peer.uid,
         )
 
 
@@ -88,22 +98,48 @@ def capacities(models: list[P.ModelInfo], max_items: int) -> tuple[int, int]:
     return in_cap, out_cap
 
 
+@dataclass(frozen=True)
+class Caps:
+    """The [sessions] caps in effect, in sessions and bytes."""
+
+    sessions: int
+    sessions_per_uid: int
+    ring_bytes: int
+    ring_bytes_per_uid: int
+
+    @classmethod
+    def of(cls, cfg: Config) -> Caps:
+        sc = cfg.sessions
+        total = (sc.max_ring_mib << 20) or psutil.virtual_memory().total // 2
+        per_uid = (sc.max_ring_mib_per_uid << 20) or total // 2
+        return cls(sc.max_sessions, sc.max_sessions_per_uid, total, min(per_uid, total))
+
+
 class SessionTable:
-    """Creates and finds sessions; owns their segments (the broker is the only creator and unlinker)."""
+    """Creates and finds sessions; owns their segments and counts them against the caps."""
 
     def __init__(self, cfg: Config, instance: str) -> None:
         self.cfg = cfg
         self.instance = instance
+        self.caps = Caps.of(cfg)
         self.by_id: dict[int, BrokerSession] = {}
         self._next_id = 1
+        self._sessions_of: Counter[int] = Counter()  # uid -> sessions
+        self._bytes_of: Counter[int] = Counter()  # uid -> ring bytes
+        self._bytes = 0
 
-    def create(self, hello: P.Hello, identity: bytes, models: list[P.ModelInfo]) -> BrokerSession:
+    def grantable(self, session_id: int, token: int) -> Grantable | None:
+        """The handout's view of a live session with this token (broker.handout)."""
+        s = self.by_id.get(session_id)
+        if s is None or s.token != token or s.phase is Phase.CLOSING:
+            return None
+        return Grantable(s.segment, s.peer.uid)
+
+    def create(self, hello: P.Hello, identity: bytes, peer: Peer, models: list[P.ModelInfo]) -> BrokerSession:
         sc = self.cfg.sessions
         if hello.protocol != P.PROTOCOL_VERSION:
             raise SessionError("BAD_VERSION", f"HELLO.protocol {hello.protocol}: this broker speaks "
                                               f"{P.PROTOCOL_VERSION}")
-        if not 0 < hello.pid < 2**31:
-            raise SessionError("BAD_HELLO", f"HELLO.pid: expected a process id, got {hello.pid}")
         slots = hello.slots or sc.default_slots
         if not 1 <= slots <= sc.max_slots:
             raise SessionError("BAD_HELLO", f"HELLO.slots: expected 1..{sc.max_slots} (sessions.max_slots), "
@@ -124,17 +160,49 @@ class SessionTable:
                 "TOO_LARGE", f"a ring of {slots} slots x {max_items} rows needs {layout.total_bytes >> 20} MiB, "
                 f"over sessions.max_session_mib ({sc.max_session_mib}); ask for fewer slots or max_items",
             )
-        segment = Segment.create(new_segment_name(self.instance), layout, self.cfg.file_mode, self.cfg.group_id())
+        self._check_caps(peer.uid, layout.total_bytes)
+        segment = Segment.create(segment_name(self.instance, sid), layout)
         token = secrets.randbits(62)
-        session = BrokerSession(sid, identity, hello.pid, token, segment, max_items)
+        session = BrokerSession(sid, identity, peer, token, segment, max_items)
         self.by_id[sid] = session
-        log.info("session %d for pid %d: %d slots of %d+%d bytes", sid, hello.pid, slots, in_cap, out_cap)
+        self._count(peer.uid, layout.total_bytes, +1)
+        log.info("session %d for uid %d pid %d: %d slots of %d+%d bytes", sid, peer.uid, peer.pid, slots, in_cap,
+                 out_cap)
         return session
 
+    def _check_caps(self, uid: int, nbytes: int) -> None:
+        caps, mib = self.caps, 1 << 20
+        held = sum(self._sessions_of.values())
+        if held >= caps.sessions:
+            raise SessionError("LIMIT", f"the broker holds {held} sessions, its cap "
+                                        "(sessions.max_sessions); try again later")
+        if self._sessions_of[uid] >= caps.sessions_per_uid:
+            raise SessionError("LIMIT", f"uid {uid} holds {self._sessions_of[uid]} sessions, the cap per user "
+                                        "(sessions.max_sessions_per_uid); close some first")
+        if self._bytes + nbytes > caps.ring_bytes:
+            raise SessionError("LIMIT", f"a ring of {nbytes // mib} MiB would take the rings of all sessions over "
+                                        f"{caps.ring_bytes // mib} MiB (sessions.max_ring_mib); try again later")
+        if self._bytes_of[uid] + nbytes > caps.ring_bytes_per_uid:
+            raise SessionError("LIMIT", f"a ring of {nbytes // mib} MiB would take uid {uid}'s rings over "
+                                        f"{caps.ring_bytes_per_uid // mib} MiB (sessions.max_ring_mib_per_uid); "
+                                        "close some sessions or ask for fewer slots or max_items")
+
+    def _count(self, uid: int, nbytes: int, sign: int) -> None:
+        self._sessions_of[uid] += sign
+        self._bytes_of[uid] += sign * nbytes
+        self._bytes += sign * nbytes
+
+    def uncount(self, session: BrokerSession) -> None:
+        """A closing session no longer counts against the caps: its client is done with it."""
+        if session.counted:
+            session.counted = False
+            self._count(session.peer.uid, session.segment.nbytes, -1)
+
     def destroy(self, session: BrokerSession) -> None:
-        """Unmap and unlink; only called once no worker maps the segment."""
+        """Forget the session and close the broker's mapping; the kernel frees the ring when its client and
+        workers have closed theirs. Only called once no worker maps the segment."""
+        self.uncount(session)
         self.by_id.pop(session.session_id, None)
-        session.segment.unlink()
         session.segment.close()
         log.info("session %d closed", session.session_id)
 

@@ -91,7 +91,7 @@ class Client(Receiving, Lifecycle):
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._ctl = control_socket(self._ctx, self.runtime_dir)
         try:
-            hs = handshake(self._ctl, slots, max_items, name, connect_timeout)
+            hs = handshake(self._ctl, self.runtime_dir, slots, max_items, name, connect_timeout)
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
@@ -336,7 +336,7 @@ class Client(Receiving, Lifecycle):
             link = links[0]
             return link if link.up and plan.info.name in link.models else None
         # Always starting the scan at the first link would hand every tie to worker 0, and ties are the
-        # common case at low load: the load would lean on it (seen as 894 against 706 requests).
+        # common case at low load: the load would lean on it.
         self._turn = start = (self._turn + 1) % n if n else 0
         best = None
         for k in range(n):
@@ -346,7 +346,8 @@ class Client(Receiving, Lifecycle):
         return best
 
     def _flush(self, link: Link) -> None:
-        # Flat combining: whoever holds the lock sends everything queued, so concurrent submits coalesce.
+        # Flat combining: whoever holds the lock sends everything queued, so concurrent submits coalesce
+        # (docs/ARCHITECTURE.md, "Latency mechanisms"; bench/RESULTS.md#first-full-runs).
         while link.queue:
             if not link.send_lock.acquire(blocking=False):
                 return
@@ -425,7 +426,7 @@ class Client(Receiving, Lifecycle):
             return
         r.retry_at = now + RETRY_S
         try:
-            hs = handshake(self._ctl, r.n_slots, r.max_items, r.name, r.timeout)
+            hs = handshake(self._ctl, self.runtime_dir, r.n_slots, r.max_items, r.name, r.timeout)
         except (ShmBrokerError, OSError) as exc:
             r.refused = str(exc)
             log.warning("session lost: the broker's handshake failed (%s); trying again", exc)

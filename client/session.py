@@ -17,6 +17,7 @@ import zmq
 
 from broker import liveness, runtime
 from broker import protocol as P
+from broker.handout import HandoutError, fetch_ring
 from broker.ring import RingLayout, Segment, pack_offsets
 from client.errors import HandshakeError, NoBroker
 
@@ -177,8 +178,10 @@ def _expect(frames: list[bytes], kind: type[P.T]) -> P.T:
     return msg
 
 
-def handshake(ctl: zmq.Socket[bytes], slots: int, max_items: int, name: str, timeout: float) -> Handshake:
-    """Run the session handshake on a connected control socket; HandshakeError names the step that failed."""
+def handshake(ctl: zmq.Socket[bytes], runtime_dir: Path, slots: int, max_items: int, name: str,
+              timeout: float) -> Handshake:
+    """Run the session handshake on a connected control socket, taking the ring from the broker's handout in
+    ``runtime_dir``; HandshakeError names the step that failed."""
     until = time.monotonic() + timeout
     ctl.send_multipart(P.encode(P.Hello(P.PROTOCOL_VERSION, os.getpid(), slots, max_items, name)))
     setup = _expect(_recv(ctl, until, "SETUP"), P.Setup)
@@ -187,7 +190,11 @@ def handshake(ctl: zmq.Socket[bytes], slots: int, max_items: int, name: str, tim
         ctl.send_multipart(P.encode(P.Bye(setup.session_id)))
         raise HandshakeError("SETUP describes a ring layout this client does not derive", "BAD_LAYOUT")
     try:
-        segment = Segment.open(setup.segment, layout)
+        fd = fetch_ring(runtime_dir, setup.session_id, setup.token, max(until - time.monotonic(), 0.1))
+        segment = Segment.from_fd(fd, layout)
+    except HandoutError as exc:
+        ctl.send_multipart(P.encode(P.Bye(setup.session_id)))
+        raise HandshakeError(str(exc), "NO_RING") from None
     except BaseException:
         ctl.send_multipart(P.encode(P.Bye(setup.session_id)))  # the broker may release the ring at once
         raise

@@ -13,11 +13,20 @@ import zmq
 
 from broker import protocol as P
 from broker import runtime
+from broker.handout import fetch_ring
+from broker.peergate import PeerGate
 from broker.ring import RingLayout, Segment
 
 log = logging.getLogger(__name__)
 
 CLOSE_LINGER_MS = 200  # lets last answers (SHUTTING_DOWN) leave when a session or the worker closes
+HANDOUT_TIMEOUT_S = 5.0  # the broker answers from its loop at once; only a stuck broker takes longer
+
+
+def map_ring(runtime_dir: Path, msg: P.Attach) -> Segment:
+    """The session's ring, from the broker's handout, checked against the layout ``msg`` announces."""
+    layout = RingLayout(msg.session_id, msg.n_slots, msg.in_capacity, msg.out_capacity)
+    return Segment.from_fd(fetch_ring(runtime_dir, msg.session_id, msg.token, HANDOUT_TIMEOUT_S), layout)
 
 
 class WorkerSession:
@@ -25,15 +34,15 @@ class WorkerSession:
     waits for none left."""
 
     def __init__(
-        self, ctx: zmq.Context[zmq.Socket[bytes]], msg: P.Attach, worker_id: int, runtime_dir: Path,
-        mode: int, gid: int | None,
+        self, ctx: zmq.Context[zmq.Socket[bytes]], msg: P.Attach, segment: Segment, worker_id: int,
+        runtime_dir: Path, mode: int, gid: int | None, gate: PeerGate,
     ) -> None:
+        """Serve ``msg``'s session on ``segment`` (``map_ring``'s, owned from now on) with a new reply socket."""
         self.session_id = msg.session_id
         self.token = msg.token
         self.max_items = msg.max_items
-        layout = RingLayout(msg.session_id, msg.n_slots, msg.in_capacity, msg.out_capacity)
-        self.segment = Segment.open(msg.segment, layout)
-        self.layout = layout
+        self.segment = segment
+        self.layout = segment.layout
         self.in_flight: set[int] = set()
         # (slot, generation) of requests admitted from their submit hint whose SUBMIT has not come yet, oldest
         # first; an entry goes when its SUBMIT comes (gpu_worker.hints)
@@ -54,14 +63,18 @@ class WorkerSession:
         self._outbox: collections.deque[list[bytes]] = collections.deque()
         name = runtime.reply_socket_name(worker_id, msg.session_id, secrets.token_hex(6))
         self.reply_endpoint = runtime.endpoint(runtime_dir, name)
+        self._gate, self._domain = gate, f"reply-{name}"
+        gate.allow(self._domain, frozenset({msg.client_uid}))  # answers go to the session's client's user only
         self._sock = ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the ring's slots, not by ZeroMQ
+        self._sock.setsockopt(zmq.ZAP_DOMAIN, self._domain.encode())
         try:
             self._sock.bind(self.reply_endpoint)
             runtime.secure_socket_file(self.reply_endpoint, mode, gid)
         except BaseException:
             self._sock.close()
+            gate.forget(self._domain)
             self.segment.close()
             raise
 
@@ -157,6 +170,7 @@ class WorkerSession:
         with self._lock:
             self._sock.close(linger=CLOSE_LINGER_MS)
             runtime.remove_socket_file(self.reply_endpoint)
+        self._gate.forget(self._domain)
         self._unregister()
         self.views.clear()
         self.segment.close()

@@ -20,6 +20,7 @@ import zmq
 from broker import protocol as P
 from broker import runtime
 from broker.config import Config
+from broker.peergate import PeerGate
 from broker.protocol import STATE_GEN, TENSOR_ROWS, TENSOR_ROWS_AT, SlotState
 from broker.ratelog import RateLimitedLog
 from broker.ring import RingError
@@ -28,7 +29,7 @@ from gpu_worker.codec import RowsCanon
 from gpu_worker.hints import Watch, hinted_submit
 from gpu_worker.intake import Rejected, check_slot, check_tensors
 from gpu_worker.models import ServedModel, build_models, model_info, overloaded_message
-from gpu_worker.sessions import WorkerSession
+from gpu_worker.sessions import WorkerSession, map_ring
 from gpu_worker.work import Work, reply
 
 log = logging.getLogger(__name__)
@@ -60,13 +61,14 @@ class Worker:
         # never answered can see why (counted on the drop paths only, never on the fast path)
         self.dropped: dict[str, int] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._gate = PeerGate(self._ctx)  # each reply socket admits its session's client's uid only
         self._ctl = self._ctx.socket(zmq.DEALER)
         self._data = self._ctx.socket(zmq.PULL)
         for s in (self._ctl, self._data):
             s.setsockopt(zmq.LINGER, 0)
         self._data.setsockopt(zmq.RCVHWM, 0)
-        # Built once: Socket.poll() builds a Poller per call, and get(EVENTS) costs as much again (4 us
-        # against 2 us for this, measured on the 2-core VM).
+        # Built once: Socket.poll() builds a Poller per call, and it and get(EVENTS) each cost twice a poll of
+        # this one (bench/RESULTS.md#slot-header-answers-yielding-spinners-submit-hints).
         self._data_ready = zmq.Poller()
         self._data_ready.register(self._data, zmq.POLLIN)
 
@@ -182,6 +184,7 @@ class Worker:
             s.close()
         self.sessions.clear()
         runtime.remove_socket_file(self.endpoint)
+        self._gate.close()
         self._ctx.destroy(linger=1000)  # lets a last WORKER_FAILED reach the broker
 
     # -- data plane ----------------------------------------------------------------------------------------
@@ -407,8 +410,8 @@ class Worker:
             self._send_ctl(P.AttachOk(msg.session_id, self.sessions[msg.session_id].reply_endpoint))
             return
         try:
-            s = WorkerSession(self._ctx, msg, self.worker_id, self.runtime_dir, self.cfg.file_mode,
-                              self.cfg.group_id())
+            s = WorkerSession(self._ctx, msg, map_ring(self.runtime_dir, msg), self.worker_id, self.runtime_dir,
+                              self.cfg.file_mode, self.cfg.group_id(), self._gate)
         except (OSError, RingError, zmq.ZMQError) as exc:
             log.error("cannot attach session %d: %s", msg.session_id, exc)
             self._send_ctl(P.AttachFailed(msg.session_id, str(exc)))

@@ -20,7 +20,7 @@ class RawClient:
     def __init__(self, runtime_dir: Path, slots: int = 8, max_items: int = 4) -> None:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.ctl = control_socket(self.ctx, runtime_dir)
-        hs = handshake(self.ctl, slots, max_items, "raw", 20.0)
+        hs = handshake(self.ctl, runtime_dir, slots, max_items, "raw", 20.0)
         self.setup = hs.setup
         self.token = hs.ready.token
         self.segment = hs.segment

@@ -46,7 +46,7 @@ _WSTATS = P.WorkerStats(
 )
 _RING: dict[str, Any] = dict(
     session_id=7,
-    segment="shmb-abcd0123-" + "0" * 32,
+    token=2**62 - 1,
     segment_bytes=1 << 20,
     n_slots=16,
     slot_stride=8192,
@@ -76,7 +76,7 @@ CONTROL_SAMPLES: list[msgspec.Struct] = [
     P.WorkerHello(protocol=1, worker_id=2, pid=999),
     P.WorkerReady(worker_id=2, endpoint="ipc:///tmp/w.sock", models=[_MODEL]),
     P.WorkerFailed(worker_id=2, reason="CUDA out of memory"),
-    P.Attach(**_RING, token=55),
+    P.Attach(**{**_RING, "token": 55}, client_uid=1000),
     P.AttachOk(session_id=7, reply_endpoint="ipc:///tmp/r.sock"),
     P.AttachFailed(session_id=7, reason="cannot map segment: No such file or directory"),
     P.Detach(session_id=7),
@@ -90,8 +90,9 @@ CONTROL_SAMPLES: list[msgspec.Struct] = [
 def test_samples_cover_every_control_kind() -> None:
     kinds = {P.KIND_OF[type(m)] for m in CONTROL_SAMPLES}
     assert kinds == set(P.CONTROL_TYPES)
-    # the data-plane kinds are the only ones without a JSON body
-    assert set(P.MsgKind) - set(P.CONTROL_TYPES) == {P.MsgKind.SUBMIT, P.MsgKind.DONE}
+    # the data plane's and the ring handout's are the only ones without a JSON body
+    assert set(P.MsgKind) - set(P.CONTROL_TYPES) == {P.MsgKind.SUBMIT, P.MsgKind.DONE, P.MsgKind.RING_REQUEST,
+                                                     P.MsgKind.RING_GRANT}
 
 
 @pytest.mark.parametrize("msg", CONTROL_SAMPLES, ids=lambda m: type(m).__name__)
@@ -148,7 +149,7 @@ def test_envelope_of_wrong_size(head: bytes) -> None:
         P.decode([head, _BODY])
 
 
-@pytest.mark.parametrize("version", [0, 2, 0xFFFF])
+@pytest.mark.parametrize("version", [0, P.PROTOCOL_VERSION - 1, P.PROTOCOL_VERSION + 1, 0xFFFF])
 def test_wrong_version(version: int) -> None:
     frames = [P.ENVELOPE.pack(version, P.MsgKind.BYE), _BODY]
     with pytest.raises(P.VersionError, match=f"protocol version {version} is not supported"):

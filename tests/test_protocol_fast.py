@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker import protocol as P
-from broker.ring import RingLayout, Segment, new_segment_name
+from broker.ring import RingLayout, Segment, segment_name
 from gpu_worker.codec import ModelCodec
 from gpu_worker.engines.base import IOSpec
 from gpu_worker.hints import Watch, hinted_submit
@@ -83,10 +83,9 @@ def test_the_codecs_done_of_ok_answers_is_encode_dones(session_id: int,
 
 @pytest.fixture(scope="module")
 def segment() -> Iterator[Segment]:
-    seg = Segment.create(new_segment_name("t" + secrets.token_hex(4)), RingLayout(9, 4, 4096, 4096))
+    seg = Segment.create(segment_name("t" + secrets.token_hex(4), 0), RingLayout(9, 4, 4096, 4096))
     yield seg
     seg.close()
-    seg.unlink()
 
 
 @settings(max_examples=60)

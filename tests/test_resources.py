@@ -1,109 +1,132 @@
-"""Resource limits (issue 5, item 7): a /dev/shm too small for the configured rings is refused at start-up.
+"""Resource caps (bench/RESULTS.md#reliability, item 7): sessions and ring bytes, per uid and in all.
 
-The end-to-end tests run the broker in a private mount namespace whose /dev/shm is a 1 MiB tmpfs
-(``unshare --mount``, root only); the host's /dev/shm is not touched.
+A HELLO past a cap gets LIMIT naming the [sessions] key; the cap counts live sessions, so one frees its share
+when it closes; what one session costs in descriptors stays within what systemd/shmbroker.service allows.
 """
 
 from __future__ import annotations
 
+import configparser
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import numpy as np
+import psutil
 import pytest
 
 from broker import protocol as P
-from broker.ask import ask_broker
-from broker.config import parse
-from broker.shm_space import check, free_bytes, ring_bytes
-from tests.conftest import REPO, TEST_MODELS, write_config
-
-
-def _can_mount_tmpfs() -> bool:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                           capture_output=True, check=False)
-    return probe.returncode == 0
-
-
-can_unshare = pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs root, unshare(1) and mount rights for a "
-                                 "private /dev/shm")
-SMALL_SHM = "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$@\""
-TINY = P.ModelInfo(0, "tiny", 16, [P.TensorSpec("x", "float32", [-1, 256])], [P.TensorSpec("y", "float32", [-1, 256])],
-                   2000)
-
-
-def serve_in_small_shm(tmp: Path, models: str = TEST_MODELS, sessions: str = "") -> subprocess.Popen[str]:
-    """``shmbroker serve`` in its own mount namespace with a 1 MiB /dev/shm (it is that process itself)."""
-    cfg = write_config(tmp / "broker.toml", "process", models=models)
-    cfg.write_text(cfg.read_text().replace("[sessions]\n", f"[sessions]\n{sessions}\n"))
-    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(tmp / "run"), PYTHONPATH=str(REPO))
-    return subprocess.Popen(["unshare", "--mount", "sh", "-c", SMALL_SHM, "sh", sys.executable, "-m", "broker.cli",
-                             "serve", "--config", str(cfg)], env=env, cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-CLIENT = """
-import sys, numpy as np
+from broker.config import ConfigError, parse
+from broker.runtime import CONTROL_SOCKET, endpoint
+from broker.sessions import FDS_PER_SESSION
 from client import Client, HandshakeError
-try:
-    Client(sys.argv[1], slots=64)
-except HandshakeError as exc:
-    print(exc.code, exc)
-with Client(sys.argv[1], slots=2) as c:
-    print("served", float(np.asarray(c.infer("tiny", np.ones((1, 256), np.float32))).sum()))
-"""
+from tests.conftest import REPO, RunningBroker, start_broker, wait_until
 
 
-@can_unshare
-def test_a_ring_that_does_not_fit_fails_at_hello_not_with_sigbus(tmp_path: Path) -> None:
-    """With the start-up check off (reserve_sessions = 0), a session too large for /dev/shm gets NO_SHM at HELLO
-    and the broker goes on serving sessions that fit."""
-    models = '[models.tiny]\npath = "builtin:tiny"\nintra_op_threads = 1\n'
-    p = serve_in_small_shm(tmp_path, models, "reserve_sessions = 0")
+def _served(c: Client) -> None:
+    assert float(np.asarray(c.infer("tiny", np.ones((1, 256), np.float32))).sum()) > 0
+
+
+def test_sessions_per_uid_cap_names_the_key_and_frees_on_close(tmp_path: Path) -> None:
+    b = start_broker(tmp_path, "process", sessions="default_slots = 2\nmax_sessions_per_uid = 2\nmax_sessions = 4")
     try:
-        reply = ask_broker(tmp_path / "run", P.Health(60_000), 65)
-        assert isinstance(reply, P.HealthReply) and reply.ready, reply
-        r = subprocess.run(["nsenter", "--mount", f"--target={p.pid}", sys.executable, "-c", CLIENT,
-                            str(tmp_path / "run")], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                           capture_output=True, text=True, timeout=60, check=False)
-        assert r.returncode == 0, r.stderr
-        first, second = r.stdout.splitlines()
-        assert first.startswith("NO_SHM") and "--shm-size" in first and "shmb-" not in first, first
-        assert second.startswith("served")
+        first, second = Client(b.runtime_dir), Client(b.runtime_dir)
+        with pytest.raises(HandshakeError) as refused:
+            Client(b.runtime_dir)
+        assert refused.value.code == "LIMIT" and "sessions.max_sessions_per_uid" in str(refused.value)
+        _served(second)  # the refusal harmed nobody
+        first.close()
+        wait_until(lambda: len(b.segments()) == 1, "the broker releases the closed session")
+        with Client(b.runtime_dir) as third:  # the closed session's share is free again
+            _served(third)
+        second.close()
     finally:
-        p.terminate()
-        assert p.wait(30) == 0, p.communicate()[1]
+        assert b.stop() == 0, b.log()
 
 
-@can_unshare
-def test_too_small_dev_shm_is_refused_at_startup(tmp_path: Path) -> None:
-    p = serve_in_small_shm(tmp_path)
-    _out, err = p.communicate(timeout=120)
-    assert p.returncode == 1, err
-    line = next(x for x in err.splitlines() if x.startswith("shmbroker: "))
-    assert "/dev/shm has" in line and "bytes free" in line and "needs" in line
-    assert "--shm-size=" in line and "dev-shm.mount" in line and "sessions.default_slots" in line
-    assert list((tmp_path / "run").iterdir()) == []  # sockets, lock and instance file removed
+def test_ring_bytes_cap_per_uid_names_the_key(tmp_path: Path) -> None:
+    b = start_broker(tmp_path, "process", sessions="default_slots = 2\nmax_ring_mib_per_uid = 16")
+    try:
+        with pytest.raises(HandshakeError) as refused:
+            Client(b.runtime_dir, slots=64)  # 64 slots of about 2 MiB each: over 16 MiB
+        assert refused.value.code == "LIMIT" and "sessions.max_ring_mib_per_uid" in str(refused.value)
+        with Client(b.runtime_dir, slots=2) as c:
+            _served(c)
+    finally:
+        assert b.stop() == 0, b.log()
 
 
-def test_check_names_bytes_and_settings(tmp_path: Path) -> None:
-    cfg = parse({"sessions": {"default_slots": 16, "default_max_items": 1, "reserve_sessions": 1},
-                 "models": {"tiny": {"path": "builtin:tiny"}}})
-    one = ring_bytes(cfg, [TINY])
-    assert one == 4096 + 16 * 4096  # one row of 1 KiB in, 1 KiB out: one page per slot
-    assert check(cfg, [TINY], str(tmp_path)) is None
-    big = 4096 + 4096 * 4096  # 4096 slots
-    n = free_bytes(str(tmp_path)) // big + 1
-    huge = parse({"sessions": {"default_slots": 4096, "max_slots": 4096, "default_max_items": 1,
-                               "reserve_sessions": n},
-                  "models": {"tiny": {"path": "builtin:tiny"}}})
-    msg = check(huge, [TINY], str(tmp_path))
-    assert msg is not None
-    assert f"needs {n * big} bytes" in msg and f"ring(s) of {big} bytes" in msg
-    rows = parse({"sessions": {"default_slots": 16}, "models": {"tiny": {"path": "builtin:tiny"}}})
-    assert ring_bytes(rows, [TINY]) > one  # by default a slot holds the largest max_batch: more than one row
-    assert "sessions.reserve_sessions" in msg and "--shm-size" in msg
+def test_a_hello_flood_stops_at_the_cap_and_the_broker_keeps_serving(tmp_path: Path) -> None:
+    """HELLOs that never finish the handshake hold rings until it times out: the cap bounds them."""
+    import zmq
+
+    b = start_broker(tmp_path, "process", sessions="default_slots = 2\nmax_sessions_per_uid = 8\nmax_sessions = 16")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.connect(endpoint(b.runtime_dir, CONTROL_SOCKET))
+        codes = []
+        for _ in range(40):
+            s.send_multipart(P.encode(P.Hello(P.PROTOCOL_VERSION, os.getpid(), 2, 0, "flood")))
+            assert s.poll(10_000)
+            reply = P.decode(s.recv_multipart())
+            codes.append("SETUP" if isinstance(reply, P.Setup) else getattr(reply, "code", type(reply).__name__))
+        assert codes.count("SETUP") == 8 and codes.count("LIMIT") == 32, codes
+        assert b.health().ready
+        assert len(b.segments()) == 8  # the broker holds no ring beyond the cap
+    finally:
+        ctx.destroy(linger=0)
+        assert b.stop() == 0, b.log()
+
+
+def test_a_large_ring_costs_the_broker_no_memory_at_hello(tmp_path: Path) -> None:
+    """Creating a ring touches none of its pages on the broker's loop: a 2 GiB HELLO leaves the broker's
+    memory as it was, and it keeps answering."""
+    import zmq
+
+    b = start_broker(tmp_path, "process", sessions="max_slots = 4096\nmax_ring_mib = 16384\n"
+                                                    "max_ring_mib_per_uid = 16384")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        rss = psutil.Process(b.proc.pid).memory_info().rss
+        s = ctx.socket(zmq.DEALER)
+        s.connect(endpoint(b.runtime_dir, CONTROL_SOCKET))
+        s.send_multipart(P.encode(P.Hello(P.PROTOCOL_VERSION, os.getpid(), 1000, 0, "large")))
+        assert s.poll(30_000)
+        setup = P.decode(s.recv_multipart())
+        assert isinstance(setup, P.Setup) and setup.segment_bytes > 2 << 30, setup
+        assert b.health().ready
+        assert psutil.Process(b.proc.pid).memory_info().rss - rss < 64 << 20
+    finally:
+        ctx.destroy(linger=0)
+        assert b.stop() == 0, b.log()
+
+
+def _fds(pids: list[int]) -> int:
+    return sum(psutil.Process(p).num_fds() for p in pids)
+
+
+def test_what_one_session_costs_in_descriptors_fits_the_units_limit(process_broker: RunningBroker) -> None:
+    """Each process (the broker, each worker) spends at most FDS_PER_SESSION descriptors on a session, and the
+    unit's LimitNOFILE covers the default max_sessions of them."""
+    b = process_broker
+    pids = [b.proc.pid, *b.worker_pids()]
+    with Client(b.runtime_dir) as warm:  # lazily made sockets and threads exist after the first session
+        _served(warm)
+        before = _fds(pids)
+        clients = [Client(b.runtime_dir, slots=2) for _ in range(10)]
+        for c in clients:
+            _served(c)
+        per_session = (_fds(pids) - before) / 10 / len(pids)
+        for c in clients:
+            c.close()
+    assert 0 < per_session <= FDS_PER_SESSION, per_session
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read(REPO / "systemd" / "shmbroker.service")
+    limit = int(unit["Service"]["LimitNOFILE"])
+    default_sessions = parse({"models": {"m": {"path": "builtin:tiny"}}}).sessions.max_sessions
+    assert limit >= FDS_PER_SESSION * default_sessions + 1024
+
+
+def test_a_per_uid_cap_above_the_total_is_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"sessions\.max_sessions_per_uid"):
+        parse({"sessions": {"max_sessions": 4, "max_sessions_per_uid": 8}, "models": {"m": {"path": "builtin:tiny"}}})

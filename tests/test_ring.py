@@ -1,11 +1,11 @@
-"""broker.ring: the layout arithmetic, the span checks and real segments in /dev/shm."""
+"""broker.ring: the layout arithmetic, the span checks and real sealed segments."""
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import secrets
-import stat
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -150,7 +150,7 @@ def test_pack_offsets_alignment(sizes: list[int]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Segments in /dev/shm
+# Segments: sealed memfds
 # ---------------------------------------------------------------------------------------------------------
 def _instance() -> str:
     return "t" + secrets.token_hex(4)  # a per-test instance: never a running broker's
@@ -161,11 +161,11 @@ SegmentFactory = Callable[..., Segment]
 
 @pytest.fixture
 def segments() -> Iterator[SegmentFactory]:
-    """``segments(layout, name=None, mode=0o600)`` creates a segment; all are closed and removed after."""
+    """``segments(layout)`` creates a segment; all are closed after."""
     made: list[Segment] = []
 
-    def create(layout: RingLayout, name: str | None = None, mode: int = 0o600) -> Segment:
-        seg = Segment.create(name or R.new_segment_name(_instance()), layout, mode)
+    def create(layout: RingLayout) -> Segment:
+        seg = Segment.create(R.segment_name(_instance(), layout.session_id), layout)
         made.append(seg)
         return seg
 
@@ -174,9 +174,6 @@ def segments() -> Iterator[SegmentFactory]:
     finally:
         for seg in made:
             seg.close()
-            path = os.path.join(R.SHM_DIR, seg.name)
-            if os.path.exists(path):
-                os.unlink(path)
 
 
 @pytest.fixture
@@ -197,29 +194,22 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def test_segment_names() -> None:
-    a = R.new_segment_name("abc123")
-    b = R.new_segment_name("abc123")
-    assert a.startswith("shmb-abc123-")
-    assert a != b
-    token = a.removeprefix("shmb-abc123-")
-    assert len(token) == 32
-    int(token, 16)  # hex
-    assert "/" not in a
+def reopen(seg: Segment, layout: RingLayout) -> Segment:
+    """What a client or worker does with the descriptor the broker hands over."""
+    return Segment.from_fd(seg.duplicate(), layout)
 
 
-def test_create_file_mode_size_and_header(segments: SegmentFactory) -> None:
-    old_umask = os.umask(0o077)
-    try:
-        seg = segments(LAYOUT)
-    finally:
-        os.umask(old_umask)
-    path = os.path.join("/dev/shm", seg.name)
-    st_ = os.stat(path)
-    assert stat.S_ISREG(st_.st_mode)
-    assert stat.S_IMODE(st_.st_mode) == 0o600
+def test_segment_name_names_the_instance_and_session() -> None:
+    assert R.segment_name("abc123", 7) == "shmb-abc123-s7"
+
+
+def test_create_size_header_and_no_name_in_dev_shm(segments: SegmentFactory) -> None:
+    before = set(os.listdir("/dev/shm"))
+    seg = segments(LAYOUT)
+    assert set(os.listdir("/dev/shm")) == before  # nothing to list, nothing to open by name
+    st_ = os.fstat(seg.fd)
     assert st_.st_size == LAYOUT.total_bytes
-    assert st_.st_uid == os.getuid()
+    assert os.readlink(f"/proc/self/fd/{seg.fd}").startswith("/memfd:shmb-")
     assert seg.creator
     header = R.SEGMENT_HEADER.unpack_from(seg.buf, 0)
     assert header == (
@@ -230,39 +220,48 @@ def test_create_file_mode_size_and_header(segments: SegmentFactory) -> None:
     assert all(seg.read_slot(i) == (SlotState.FREE, 0, 0, 0) for i in range(LAYOUT.n_slots))
 
 
-def test_create_mode_is_the_configured_one_whatever_the_umask(segments: SegmentFactory) -> None:
-    old_umask = os.umask(0o077)  # would narrow 0o660 to 0o600 without the fchmod
-    try:
-        seg = segments(LAYOUT, mode=0o660)
-    finally:
-        os.umask(old_umask)
-    assert stat.S_IMODE(os.stat(os.path.join(R.SHM_DIR, seg.name)).st_mode) == 0o660
-
-
-def test_create_refuses_an_existing_name(segments: SegmentFactory) -> None:
+def test_nobody_can_shrink_or_grow_a_segment(segments: SegmentFactory, opened: list[Segment]) -> None:
     seg = segments(LAYOUT)
-    with pytest.raises(FileExistsError):
-        Segment.create(seg.name, LAYOUT)
-    # the failed create did not remove the first segment
-    assert os.path.exists(os.path.join(R.SHM_DIR, seg.name))
+    other = reopen(seg, LAYOUT)
+    opened.append(other)
+    for fd in (seg.fd, other.fd):
+        for size in (0, LAYOUT.total_bytes // 2, LAYOUT.total_bytes * 2):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)
+        with pytest.raises(PermissionError):  # and nobody can lift the seals
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    assert os.fstat(other.fd).st_size == LAYOUT.total_bytes
 
 
-@pytest.mark.parametrize("name", ["other-name", "shmb-a/b", "/shmb-x", "", "../shmb-x"])
-def test_names_outside_the_prefix_are_refused(name: str) -> None:
-    with pytest.raises(RingError, match="must start with 'shmb-'"):
-        Segment.create(name, LAYOUT)
-    with pytest.raises(RingError, match="must start with 'shmb-'"):
-        Segment.open(name, LAYOUT)
+def test_from_fd_refuses_an_unsealed_descriptor(tmp_path) -> None:
+    unsealed = os.memfd_create("shmb-x", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, LAYOUT.total_bytes)
+    with pytest.raises(RingError, match="sealed"):
+        Segment.from_fd(unsealed, LAYOUT)
+    plain = os.open(tmp_path / "ring", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(plain, LAYOUT.total_bytes)
+    with pytest.raises(RingError, match="sealed"):
+        Segment.from_fd(plain, LAYOUT)
+    for fd in (unsealed, plain):  # from_fd took ownership of both, and closed them
+        with pytest.raises(OSError):
+            os.fstat(fd)
 
 
-def test_open_a_missing_segment() -> None:
-    with pytest.raises(FileNotFoundError):
-        Segment.open(R.new_segment_name(_instance()), LAYOUT)
+def test_a_duplicate_has_its_own_lock(segments: SegmentFactory, opened: list[Segment]) -> None:
+    """The broker's liveness probe (an exclusive flock on its descriptor) must see a client's shared lock."""
+    seg = segments(LAYOUT)
+    client = reopen(seg, LAYOUT)
+    opened.append(client)
+    fcntl.flock(client.fd, fcntl.LOCK_SH)
+    with pytest.raises(BlockingIOError):
+        fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(client.fd, fcntl.LOCK_UN)
+    fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def test_open_matching_layout(segments: SegmentFactory, opened: list[Segment]) -> None:
     seg = segments(LAYOUT)
-    other = Segment.open(seg.name, LAYOUT)
+    other = reopen(seg, LAYOUT)
     opened.append(other)
     assert not other.creator
     assert other.layout == LAYOUT
@@ -282,7 +281,7 @@ def test_open_with_mismatching_header_names_the_field(segments: SegmentFactory, 
     assert layout.total_bytes == LAYOUT.total_bytes  # so that the header check, not the size check, refuses
     fds = _open_fds()
     with pytest.raises(RingError, match=f"segment header field {field} is") as info:
-        Segment.open(seg.name, layout)
+        reopen(seg, layout)
     # closed at once, not when the garbage collector gets to the traceback that still holds the mapping
     assert _open_fds() == fds
     del info
@@ -306,7 +305,7 @@ def test_open_with_corrupt_header_names_the_field(
     seg = segments(LAYOUT)
     seg.buf[offset : offset + len(value)] = value
     with pytest.raises(RingError, match=f"segment header field {field} is"):
-        Segment.open(seg.name, LAYOUT)
+        reopen(seg, LAYOUT)
 
 
 def test_open_with_mismatching_size(segments: SegmentFactory) -> None:
@@ -314,14 +313,14 @@ def test_open_with_mismatching_size(segments: SegmentFactory) -> None:
     bigger = RingLayout(42, 5, 1000, 300)
     fds = _open_fds()
     with pytest.raises(RingError, match=f"segment is {LAYOUT.total_bytes} bytes; the session announced") as info:
-        Segment.open(seg.name, bigger)
+        reopen(seg, bigger)
     assert _open_fds() == fds
     del info
 
 
 def test_publish_and_read_slot_across_mappings(segments: SegmentFactory, opened: list[Segment]) -> None:
     seg = segments(LAYOUT)
-    other = Segment.open(seg.name, LAYOUT)
+    other = reopen(seg, LAYOUT)
     opened.append(other)
     other.publish_slot(2, SlotState.SUBMITTED, generation=7, request_id=2**64 - 1, status=0)
     assert seg.read_slot(2) == (SlotState.SUBMITTED, 7, 2**64 - 1, 0)
@@ -368,7 +367,7 @@ def test_post_request_writes_the_slot_header_and_hint_of_protocol_4_2(segments: 
 def test_a_taken_hint_reads_zero_and_the_rest_of_the_header_stays(segments: SegmentFactory,
                                                                    opened: list[Segment]) -> None:
     seg = segments(LAYOUT)
-    worker = Segment.open(seg.name, LAYOUT)
+    worker = reopen(seg, LAYOUT)
     opened.append(worker)
     assert seg.post_request(2, 7, 11, 3, 1, 1, 0, b"\x01" * P.TENSOR.size)
     assert seg.hint_word(2) == (P.REQUEST.size + P.TENSOR.size) | (7 << 16)
@@ -397,7 +396,7 @@ def test_last_slot_is_usable(segments: SegmentFactory) -> None:
 
 def test_views_write_through_between_mappings(segments: SegmentFactory, opened: list[Segment]) -> None:
     seg = segments(LAYOUT)
-    other = Segment.open(seg.name, LAYOUT)
+    other = reopen(seg, LAYOUT)
     opened.append(other)
     f32 = np.dtype("<f4")
 
@@ -458,22 +457,14 @@ def test_views_at_the_region_end_are_accepted(segments: SegmentFactory) -> None:
     assert seg.output_view(3, 296, np.dtype("<f4"), (1,)).shape == (1,)
 
 
-def test_only_the_creator_unlinks(segments: SegmentFactory, opened: list[Segment]) -> None:
+def test_the_memory_outlives_the_creators_mapping(segments: SegmentFactory, opened: list[Segment]) -> None:
+    """The broker closing its mapping (a session ended) leaves a client's and a worker's intact."""
     seg = segments(LAYOUT)
-    other = Segment.open(seg.name, LAYOUT)
+    other = reopen(seg, LAYOUT)
     opened.append(other)
-    path = os.path.join("/dev/shm", seg.name)
-    with pytest.raises(RingError, match="only the creator"):
-        other.unlink()
-    assert os.path.exists(path)
-    seg.unlink()
-    assert not os.path.exists(path)
-    # the mappings outlive the name
     seg.publish_slot(0, SlotState.DONE, 1, 1, 0)
+    seg.close()
     assert other.read_slot(0) == (SlotState.DONE, 1, 1, 0)
-    with pytest.raises(FileNotFoundError):
-        Segment.open(seg.name, LAYOUT)
-    seg.unlink()  # a second unlink is only logged
 
 
 def test_close_with_live_views_keeps_them_valid(segments: SegmentFactory) -> None:
@@ -487,25 +478,9 @@ def test_close_with_live_views_keeps_them_valid(segments: SegmentFactory) -> Non
     del view
 
 
-def test_unlink_instance_segments_removes_only_that_instance(segments: SegmentFactory) -> None:
-    mine, theirs = _instance(), _instance()
-    longer = mine + "0"  # an instance whose name extends ours
-    keep = [segments(LAYOUT, R.new_segment_name(theirs)), segments(LAYOUT, R.new_segment_name(longer))]
-    gone = [segments(LAYOUT, R.new_segment_name(mine)) for _ in range(3)]
-    assert R.unlink_instance_segments(mine) == 3
-    for seg in gone:
-        assert not os.path.exists(os.path.join(R.SHM_DIR, seg.name))
-    for seg in keep:
-        assert os.path.exists(os.path.join(R.SHM_DIR, seg.name))
-    assert R.unlink_instance_segments(mine) == 0
-    assert R.unlink_instance_segments(theirs) == 1
-    assert not os.path.exists(os.path.join(R.SHM_DIR, keep[0].name))
-    assert os.path.exists(os.path.join(R.SHM_DIR, keep[1].name))
-
-
 def test_address_is_the_mapping_and_does_not_pin_it(segments: SegmentFactory, opened: list[Segment]) -> None:
     seg = segments(LAYOUT)
-    other = Segment.open(seg.name, LAYOUT)
+    other = reopen(seg, LAYOUT)
     opened.append(other)
     assert seg.nbytes == LAYOUT.total_bytes and seg.address % 4096 == 0
     # bytes read at address + offset are the ones another mapping wrote at that offset

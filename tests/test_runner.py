@@ -4,6 +4,7 @@ instances run batches at once, each from its own buffers."""
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import threading
 import time
@@ -14,7 +15,8 @@ import numpy as np
 import zmq
 
 from broker import protocol as P
-from broker.ring import RingLayout, Segment, new_segment_name
+from broker.peergate import PeerGate
+from broker.ring import RingLayout, Segment, segment_name
 from gpu_worker import model_source
 from gpu_worker.batcher import Batcher
 from gpu_worker.engines import load_engine
@@ -76,10 +78,11 @@ class _BothAtOnce:
 def _ring_session(tmp_path: Path) -> Iterator[tuple[WorkerSession, threading.Event]]:
     """A worker session on a ring of 4 slots, all claimed; the event is set once every slot was answered."""
     layout = RingLayout(session_id=3, n_slots=4, in_capacity=64, out_capacity=64)
-    seg = Segment.create(new_segment_name("t" + secrets.token_hex(4)), layout)
+    seg = Segment.create(segment_name("t" + secrets.token_hex(4), 0), layout)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    attach = P.Attach(3, 99, seg.name, layout.total_bytes, 4, layout.slot_stride, 64, 64, 1)
-    session = WorkerSession(ctx, attach, 0, tmp_path, 0o600, None)
+    attach = P.Attach(3, 99, layout.total_bytes, 4, layout.slot_stride, 64, 64, 1, os.getuid())
+    gate = PeerGate(ctx)
+    session = WorkerSession(ctx, attach, Segment.from_fd(seg.duplicate(), layout), 0, tmp_path, 0o600, None, gate)
     all_answered = threading.Event()
     finish = session.finish
 
@@ -95,7 +98,7 @@ def _ring_session(tmp_path: Path) -> Iterator[tuple[WorkerSession, threading.Eve
     finally:
         session.close()
         seg.close()
-        seg.unlink()
+        gate.close()
         ctx.term()
 
 

@@ -4,7 +4,8 @@
  *   shmb_client --inline MODEL INPUT.f32   the same through `shmbroker inline`: tensors in frames, no shm
  *
  * INPUT.f32 is raw little-endian float32, C order, whole rows of the model's first input (nsfw: N x 224 x
- * 224 x 3). One session with one slot: HELLO -> SETUP -> map the segment (shm_open, mmap, flock LOCK_SH) ->
+ * 224 x 3). One session with one slot: HELLO -> SETUP -> the ring's descriptor from rings.sock (SCM_RIGHTS),
+ * mmap, flock LOCK_SH ->
  * ATTACHED -> READY -> link the worker (PULL + monitor, PUSH) -> write the slot (inputs, header, state word
  * last) -> SUBMIT -> DONE -> read the outputs in place -> BYE. Exit status: 0 ok, 1 usage or local error,
  * 2 the broker refused (ERROR), 3 the request failed (its status and text are printed to stderr).
@@ -18,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -25,7 +28,9 @@
 
 #include "minijson.h"
 
+enum { PROTOCOL = 2 };
 enum { HELLO = 1, SETUP = 2, ATTACHED = 3, READY = 4, BYE = 5, ERROR_KIND = 12, SUBMIT = 32, DONE = 33 };
+enum { RING_REQUEST = 50, RING_GRANT = 51 }; /* §3.2, on rings.sock */
 enum { SUBMITTED = 1 };
 enum { INLINE_REQUEST = 40, INLINE_REPLY = 41, INLINE_MODELS = 42, INLINE_MODELS_REPLY = 43 }; /* §10 */
 #define HEADER_BYTES 4096u
@@ -61,7 +66,7 @@ static void runtime_dir(char *out, size_t cap) {
 
 /* §2: every message is two frames, <u16 version, u16 kind> and the body */
 static void send2(void *sock, int kind, const void *body, size_t len) {
-    uint8_t env[4] = {1, 0, (uint8_t)kind, (uint8_t)(kind >> 8)};
+    uint8_t env[4] = {PROTOCOL, 0, (uint8_t)kind, (uint8_t)(kind >> 8)};
     if (zmq_send(sock, env, 4, ZMQ_SNDMORE) != 4 || zmq_send(sock, body, len, 0) != (int)len) die(1, "zmq_send failed");
 }
 
@@ -77,7 +82,7 @@ static int recv2(void *sock, zmq_msg_t *body) {
         die(1, "malformed message: expected exactly 2 frames, the first 4 bytes");
     const uint8_t *e = zmq_msg_data(&env);
     int kind = e[2] | e[3] << 8;
-    if ((e[0] | e[1] << 8) != 1) die(1, "protocol version of the answer is not 1");
+    if ((e[0] | e[1] << 8) != PROTOCOL) die(1, "protocol version of the answer is not 2");
     zmq_msg_close(&env);
     return kind;
 }
@@ -100,9 +105,44 @@ typedef struct {
     int fd;
 } session_t;
 
-/* §3.1 step 3: check SETUP's layout, open and map the segment, verify its header, take the liveness lock */
-static void map_segment(session_t *s, const js_doc *d) {
+/* §3.2: one SOCK_SEQPACKET exchange on rings.sock; RING_GRANT carries the segment's descriptor (SCM_RIGHTS) */
+static int fetch_ring(const char *dir, uint32_t session_id, uint64_t token) {
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if ((size_t)snprintf(sa.sun_path, sizeof sa.sun_path, "%s/rings.sock", dir) >= sizeof sa.sun_path)
+        die(1, "the runtime directory's path is too long for a unix socket");
+    int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (sock < 0 || connect(sock, (struct sockaddr *)&sa, sizeof sa) != 0) die(1, "cannot connect to rings.sock");
+    uint8_t req[16];
+    uint16_t head[2] = {RING_REQUEST, PROTOCOL}; /* kind, protocol version (little-endian hosts) */
+    memcpy(req, head, 4);
+    memcpy(req + 4, &session_id, 4);
+    memcpy(req + 8, &token, 8);
+    if (send(sock, req, sizeof req, 0) != (ssize_t)sizeof req) die(1, "cannot send RING_REQUEST");
+    uint8_t grant[12];
+    char cbuf[CMSG_SPACE(sizeof(int))];
+    struct iovec iov = {grant, sizeof grant};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+    struct timeval tv = {WAIT_MS / 1000, 0};
+    setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    ssize_t got = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+    close(sock);
+    uint16_t kind_status[2];
+    memcpy(kind_status, grant, 4);
+    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+    if (got != (ssize_t)sizeof grant || kind_status[0] != RING_GRANT) die(1, "no RING_GRANT from rings.sock");
+    if (kind_status[1] != 0 || !c || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) {
+        fprintf(stderr, "shmb_client: the broker refused the ring: status %u\n", kind_status[1]);
+        exit(2);
+    }
+    int fd;
+    memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    return fd;
+}
+
+/* §3.1 step 3: check SETUP's layout, get and map the segment, verify its header, take the liveness lock */
+static void map_segment(session_t *s, const js_doc *d, const char *dir) {
     s->session_id = (uint32_t)js_int(d, js_get(d, 0, "session_id"), 0);
+    s->token = js_uint(d, js_get(d, 0, "token"));
     s->n_slots = (uint32_t)js_int(d, js_get(d, 0, "n_slots"), 0);
     s->bytes = (uint64_t)js_int(d, js_get(d, 0, "segment_bytes"), 0);
     s->stride = (uint64_t)js_int(d, js_get(d, 0, "slot_stride"), 0);
@@ -111,13 +151,12 @@ static void map_segment(session_t *s, const js_doc *d) {
     s->out_offset = SLOT_HEADER_BYTES + align_up(s->in_cap, 256);
     if (align_up(s->out_offset + s->out_cap, 4096) != s->stride || HEADER_BYTES + s->n_slots * s->stride != s->bytes)
         die(1, "BAD_LAYOUT: SETUP's slot_stride or segment_bytes disagree with §4");
-    const char *seg = js_str(d, js_get(d, 0, "segment"));
-    if (strncmp(seg, "shmb-", 5) != 0 || strchr(seg, '/')) die(1, "SETUP.segment: expected shmb-... without '/'");
-    char name[256];
-    snprintf(name, sizeof name, "/%s", seg);
     struct stat st;
-    s->fd = shm_open(name, O_RDWR, 0);
-    if (s->fd < 0 || fstat(s->fd, &st) != 0 || (uint64_t)st.st_size != s->bytes) die(1, "cannot open the segment");
+    s->fd = fetch_ring(dir, s->session_id, s->token);
+    int seals = fcntl(s->fd, F_GET_SEALS);
+    if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+        die(1, "the segment is not sealed against resizing");
+    if (fstat(s->fd, &st) != 0 || (uint64_t)st.st_size != s->bytes) die(1, "the segment's size is not SETUP's");
     s->base = mmap(NULL, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd, 0);
     if (s->base == MAP_FAILED) die(1, "mmap of the segment failed");
     uint32_t u32[4];
@@ -255,7 +294,7 @@ static int recv_n(void *sock, zmq_msg_t *parts, int max) {
 
 static int kind_of(zmq_msg_t *env) {
     const uint8_t *e = zmq_msg_data(env);
-    return zmq_msg_size(env) == 4 && (e[0] | e[1] << 8) == 1 ? e[2] | e[3] << 8 : -1;
+    return zmq_msg_size(env) == 4 && (e[0] | e[1] << 8) == PROTOCOL ? e[2] | e[3] << 8 : -1;
 }
 
 /* §10: the same request with the tensor bytes in frames, through `shmbroker inline` (no shared memory) */
@@ -286,7 +325,7 @@ static int inline_main(const char *model, const char *input) {
                        "\"shape\":[%" PRIu64, model, in_name, (uint64_t)(in_len / item));
     for (int i = 1; i < ndim; i++) len += snprintf(json + len, sizeof json - (size_t)len, ",%" PRId64, dims[i]);
     len += snprintf(json + len, sizeof json - (size_t)len, "]}]}");
-    uint8_t env[4] = {1, 0, INLINE_REQUEST, 0};
+    uint8_t env[4] = {PROTOCOL, 0, INLINE_REQUEST, 0};
     if (zmq_send(sock, env, 4, ZMQ_SNDMORE) != 4 || zmq_send(sock, json, (size_t)len, ZMQ_SNDMORE) != len
         || zmq_send(sock, x, in_len, 0) != (int)in_len)
         die(1, "zmq_send failed");
@@ -336,7 +375,7 @@ int main(int argc, char **argv) {
 
     /* HELLO: the item size is not known before SETUP, so ask for a generous max_items (the broker clamps it
      * to the largest max_batch) and check the rows against the grant below */
-    int n = snprintf(json, sizeof json, "{\"protocol\":1,\"pid\":%d,\"slots\":1,\"max_items\":1024,\"name\":\"c-example\"}",
+    int n = snprintf(json, sizeof json, "{\"protocol\":2,\"pid\":%d,\"slots\":1,\"max_items\":1024,\"name\":\"c-example\"}",
                      (int)getpid());
     send2(ctl, HELLO, json, (size_t)n);
     zmq_msg_t body;
@@ -345,7 +384,7 @@ int main(int argc, char **argv) {
     parse_or_fail(&setup, &body, kind, SETUP);
     zmq_msg_close(&body);
     session_t s = {0};
-    map_segment(&s, &setup);
+    map_segment(&s, &setup, dir);
     int64_t dims[8] = {0};
     uint8_t ndim = 0;
     const char *in_name;
@@ -362,7 +401,6 @@ int main(int argc, char **argv) {
     kind = recv2(ctl, &body);
     parse_or_fail(&ready, &body, kind, READY);
     zmq_msg_close(&body);
-    s.token = js_uint(&ready, js_get(&ready, 0, "token"));
     int workers = js_get(&ready, 0, "workers"), w = -1;
     for (int k = 0; js_at(&ready, workers, k) >= 0 && w < 0; k++) {
         int models = js_get(&ready, js_at(&ready, workers, k), "models");

@@ -4,6 +4,7 @@ in the same run as the same copy from ordinary (pageable) memory. Skipped where 
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections.abc import Iterator
@@ -14,7 +15,8 @@ import pytest
 import zmq
 
 from broker import protocol as P
-from broker.ring import RingLayout, Segment, new_segment_name
+from broker.peergate import PeerGate
+from broker.ring import RingLayout, Segment, segment_name
 from gpu_worker import cuda
 from gpu_worker.sessions import WorkerSession
 
@@ -27,18 +29,19 @@ MIN_GBPS = 40.0
 
 @pytest.fixture
 def big_session(tmp_path: Path) -> Iterator[WorkerSession]:
-    """A real segment in /dev/shm with one 64 MiB slot, attached as a GPU worker attaches a session."""
+    """A real segment with one 64 MiB slot, attached as a GPU worker attaches a session."""
     layout = RingLayout(session_id=7, n_slots=1, in_capacity=MIB64, out_capacity=4096)
-    seg = Segment.create(new_segment_name("t" + secrets.token_hex(4)), layout)
+    seg = Segment.create(segment_name("t" + secrets.token_hex(4), 0), layout)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    attach = P.Attach(7, 1234, seg.name, layout.total_bytes, 1, layout.slot_stride, MIB64, 4096, 1)
-    session = WorkerSession(ctx, attach, 0, tmp_path, 0o600, None)
+    attach = P.Attach(7, 1234, layout.total_bytes, 1, layout.slot_stride, MIB64, 4096, 1, os.getuid())
+    gate = PeerGate(ctx)
+    session = WorkerSession(ctx, attach, Segment.from_fd(seg.duplicate(), layout), 0, tmp_path, 0o600, None, gate)
     try:
         yield session
     finally:
         session.close()
         seg.close()
-        seg.unlink()
+        gate.close()
         ctx.term()
 
 
