@@ -1,4 +1,4 @@
-"""``python -m bench.apis``: the three ways to keep requests in flight, against each other, in one run.
+"""``python -m shmbroker.bench.apis``: the three ways to keep requests in flight, against each other, in one run.
 
 Each round measures, on the bench's own broker and the ``tiny`` model: the callback API (``Client.call`` chains,
 ``--processes`` processes), Futures (``Client.submit``, the same processes, each waiting on its oldest Future
@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from bench import report
-from bench.broker_proc import BrokerProcess
-from bench.common import Figures, Progress, emit
-from bench.load import throughput_client
-from bench.procs import Sync, run_group
-from client import AsyncClient, Client
+from shmbroker.bench import report
+from shmbroker.bench.broker_proc import BrokerProcess
+from shmbroker.bench.common import Figures, Progress, emit
+from shmbroker.bench.load import throughput_client
+from shmbroker.bench.procs import Sync, run_group
+from shmbroker.client import AsyncClient, Client
 
 MODEL = "tiny"
 TARGET = 0.8
@@ -105,7 +105,7 @@ def _window(progress: Progress, runtime_dir: Path, api: str, processes: int, in_
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.apis", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m shmbroker.bench.apis", description=__doc__)
     ap.add_argument("--config", default=None, metavar="PATH", help="broker config (default configs/default.toml)")
     ap.add_argument("--processes", type=int, default=4, help="processes of the call and submit windows")
     ap.add_argument("--in-flight", type=int, default=32, help="requests in flight in all (default 32)")

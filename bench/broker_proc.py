@@ -1,4 +1,4 @@
-"""The benchmark's own broker: ``python -m broker.cli serve`` on a fresh runtime dir, stopped with SIGTERM.
+"""The benchmark's own broker: ``python -m shmbroker.broker.cli serve`` on a fresh runtime dir, stopped with SIGTERM.
 
 Readiness is the broker's own HEALTH message with ``wait_ms`` (the broker answers once every model is
 ready), asked again each second only so that a broker that died is noticed at once. After the stop, no
@@ -18,10 +18,10 @@ from typing import IO, Any
 
 import psutil
 
-from bench.common import BenchError, Figures, Progress
-from broker import protocol as P
-from broker import ring, runtime
-from broker.ask import ask_broker
+from shmbroker.bench.common import BenchError, Figures, Progress
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common import ring, runtime
+from shmbroker.broker.common.ask import ask_broker
 
 SHM_DIR = Path("/dev/shm")
 READY_TIMEOUT_S = 300.0
@@ -56,7 +56,7 @@ class BrokerProcess:
     def start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env[runtime.ENV_VAR] = str(self.runtime_dir)  # the workers and any helper resolve the same dir
-        cmd = [sys.executable, "-m", "broker.cli", "--runtime-dir", str(self.runtime_dir), "serve",
+        cmd = [sys.executable, "-m", "shmbroker.broker.cli", "--runtime-dir", str(self.runtime_dir), "serve",
                "--config", str(self.config_path)]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 -- closed in stop()
         t0 = time.monotonic()

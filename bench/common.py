@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from broker import protocol as P
+from shmbroker.broker.common import protocol as P
 
 Figures = dict[str, Any]  # one measurement, as it goes into the JSON document
 

@@ -1,6 +1,6 @@
 """CPU seconds of processes by thread name, for what a request costs each of them (bench/gpu.py's (c)).
 
-The worker names its threads (``broker.proc.name_thread``): the IO thread carries the process name, then
+The worker names its threads (``broker.common.proc.name_thread``): the IO thread carries the process name, then
 ``runner-MODEL``, ``complete-MODEL``, and ZeroMQ's ``ZMQbg/IO/0``. Threads of the same name are summed.
 """
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import zmq
 
-from bench.common import BenchError, Figures, latency_summary, submit_sized_message
-from bench.procs import Sync, child_setup, spawn_context
+from shmbroker.bench.common import BenchError, Figures, latency_summary, submit_sized_message
+from shmbroker.bench.procs import Sync, child_setup, spawn_context
 
 STOP = b"STOP"
 REPLY_TIMEOUT_MS = 5000
@@ -49,8 +49,8 @@ def _tiny_runner() -> Callable[[], object]:
     """One-row inference of the tiny model with the worker's own engine settings, nothing else."""
     import numpy as np
 
-    from gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
-    from gpu_worker.model_source import tiny_model_bytes
+    from shmbroker.gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
+    from shmbroker.gpu_worker.model_source import tiny_model_bytes
 
     engine = OnnxRuntimeEngine(tiny_model_bytes(), intra_op_threads=1)
     feeds = {"x": np.zeros((1, 256), np.float32)}

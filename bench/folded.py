@@ -1,6 +1,6 @@
 """Sum py-spy's collapsed stacks (``--format raw``) by thread and by function: where a process spends its CPU.
 
-``python -m bench.folded FILE [--top N]``: per thread, its share of the samples; then the functions with the
+``python -m shmbroker.bench.folded FILE [--top N]``: per thread, its share of the samples; then the functions with the
 most samples inclusive (anywhere on the stack) and exclusive (on top), each as a share of all samples.
 """
 
@@ -52,7 +52,7 @@ def summarize(stacks: list[tuple[list[str], int]], top: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.folded", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m shmbroker.bench.folded", description=__doc__)
     ap.add_argument("file")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args(argv)

@@ -1,4 +1,5 @@
-"""``shmbroker bench --gpu`` (or ``python -m bench.gpu``): the GPU pipeline against its two yardsticks, one run.
+"""``shmbroker bench --gpu`` (or ``python -m shmbroker.bench.gpu``): the GPU pipeline against its two yardsticks,
+one run.
 
 Order: copy calls (per call against batched), (b) the classic synchronous server under the 16 client processes,
 then for each engine of ``--engines`` (eager PyTorch with CUDA graphs, the inductor package): (a) its in-process
@@ -18,11 +19,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_classic, gpu_inprocess, gpu_load, gpu_report, gpu_variants, report
-from bench.broker_proc import BrokerProcess
-from bench.common import BenchError, Figures, Progress, latency_summary
-from bench.procs import Target, run_group
-from broker import config
+from shmbroker.bench import gpu_classic, gpu_inprocess, gpu_load, gpu_report, gpu_variants, report
+from shmbroker.bench.broker_proc import BrokerProcess
+from shmbroker.bench.common import BenchError, Figures, Progress, latency_summary
+from shmbroker.bench.procs import Target, run_group
+from shmbroker.broker.common import config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "gpu.toml"
 MODEL = "nsfw"
@@ -46,7 +47,7 @@ class Settings:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """``python -m bench.gpu``'s options; ``shmbroker bench --gpu`` takes the same (bench/run.py)."""
+    """``python -m shmbroker.bench.gpu``'s options; ``shmbroker bench --gpu`` takes the same (bench/run.py)."""
     ap.add_argument("--json", action="store_true", help="JSON on stdout (the table then goes to stderr)")
     ap.add_argument("--out", default=None, metavar="FILE", help="write the JSON document to FILE")
     ap.add_argument("--quick", action="store_true", help="2 s windows")
@@ -137,7 +138,7 @@ class GpuBench:
 
     def classic(self, workdir: Path) -> Figures:
         mc = self.cfg.models[MODEL]
-        from gpu_worker import model_source
+        from shmbroker.gpu_worker import model_source
 
         endpoint = f"ipc://{workdir}/classic.sock"
         with gpu_classic.ClassicServer(endpoint, str(model_source.resolve(self.cfg.model_path(MODEL))), self.device,
@@ -204,7 +205,7 @@ def main(args: argparse.Namespace) -> int:
     if MODEL not in cfg.models or cfg.worker.devices[0] == "cpu":
         raise SystemExit(f"{cfg_path}: the GPU bench needs a model {MODEL!r} and a GPU in worker.devices")
     s = Settings.of(args)
-    from gpu_worker import cuda
+    from shmbroker.gpu_worker import cuda
 
     doc: Figures = {"schema": "shmbroker-bench-gpu/2",
                     "date": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
@@ -237,6 +238,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m shmbroker.bench.gpu", description=__doc__)
     add_arguments(ap)
     sys.exit(main(ap.parse_args()))

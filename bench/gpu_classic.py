@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import BenchError, Figures
-from bench.procs import Sync, child_setup, spawn_context
+from shmbroker.bench.common import BenchError, Figures
+from shmbroker.bench.procs import Sync, child_setup, spawn_context
 
 READY_TIMEOUT_S = 180.0
 
@@ -25,7 +25,7 @@ def _serve(endpoint: str, model_path: str, device: int, fp16: bool, ready: Any, 
     import torch
     import zmq
 
-    from gpu_worker.engines.torch import TorchEngine
+    from shmbroker.gpu_worker.engines.torch import TorchEngine
 
     engine = TorchEngine(model_path, device=device, fp16=fp16, cuda_graphs=False)
     item_shape = engine.inputs[0].item_shape

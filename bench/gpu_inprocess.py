@@ -19,12 +19,12 @@ import statistics
 import time
 from collections.abc import Callable
 
-from bench.common import Figures, Progress
-from broker.config import Config
-from broker.ring import RingLayout, Segment, segment_name
-from gpu_worker import cuda, model_source
-from gpu_worker.engines import load_engine
-from gpu_worker.engines.base import DeviceEngine
+from shmbroker.bench.common import Figures, Progress
+from shmbroker.broker.common.config import Config
+from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
+from shmbroker.gpu_worker import cuda, model_source
+from shmbroker.gpu_worker.engines import load_engine
+from shmbroker.gpu_worker.engines.base import DeviceEngine
 
 COPY_COUNTS = (1, 8, 32)
 COPY_REPS = 50

@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from bench import cpu_sample
-from bench.common import Figures
-from bench.procs import Sync
-from broker import protocol as P
-from broker.ask import ask_broker
-from client import Client, ShmBrokerError
-from gpu_worker.histogram import mean, quantile
+from shmbroker.bench import cpu_sample
+from shmbroker.bench.common import Figures
+from shmbroker.bench.procs import Sync
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.ask import ask_broker
+from shmbroker.client import Client, ShmBrokerError
+from shmbroker.gpu_worker.histogram import mean, quantile
 
 
 class _Chains:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import Figures
+from shmbroker.bench.common import Figures
 
 
 def _get(m: dict[str, Figures], *path: str) -> float | None:

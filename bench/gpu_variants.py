@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from broker import config
+from shmbroker.broker.common import config
 
 
 def engine_config(cfg: config.Config, model: str, engine: str, package: str = "", max_batch: int = 0,

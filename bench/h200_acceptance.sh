@@ -12,7 +12,7 @@ engines=()
 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu tests/test_engines_gpu_errors.py 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 for n in "$@"; do
-  python3 -m bench.gpu --json --out "$out/bench_if$n.json" --in-flight "$n" --log-dir "$out/logs_if$n" \
+  python3 -m shmbroker.bench.gpu --json --out "$out/bench_if$n.json" --in-flight "$n" --log-dir "$out/logs_if$n" \
     "${engines[@]}" > "$out/bench_if$n.txt" 2>&1
   echo "bench in-flight $n: exit $?"
 done

@@ -9,7 +9,7 @@ out=${OUT:-/tmp/h200}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 seconds=${PROFILE_SECONDS:-8}
-python3 -m bench.gpu --only broker --duration $((seconds + 6)) --json --out "$out/profile_bench.json" "$@" \
+python3 -m shmbroker.bench.gpu --only broker --duration $((seconds + 6)) --json --out "$out/profile_bench.json" "$@" \
   > "$out/profile_bench.txt" 2>&1 &
 bench=$!
 # the clients start once the broker is ready; py-spy starts after their warm-up (20 requests, then 1 s)
@@ -28,5 +28,5 @@ wait
 tail -n 30 "$out/profile_bench.txt"
 for f in worker client; do
   echo "== $f =="; tail -n 3 "$out/pyspy_$f.log"
-  [ -s "$out/$f.folded" ] && python3 -m bench.folded "$out/$f.folded" | head -n 40
+  [ -s "$out/$f.folded" ] && python3 -m shmbroker.bench.folded "$out/$f.folded" | head -n 40
 done

@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from bench import sweep
-from bench.broker_proc import BrokerProcess
-from bench.common import BenchError, Figures, Progress
-from bench.procs import Sync, run_group
-from broker import config
+from shmbroker.bench import sweep
+from shmbroker.bench.broker_proc import BrokerProcess
+from shmbroker.bench.common import BenchError, Figures, Progress
+from shmbroker.bench.procs import Sync, run_group
+from shmbroker.broker.common import config
 
 CONCURRENCY = 16
 MODELS = ("tiny", "nsfw")
@@ -39,7 +39,7 @@ NSFW_TARGET = 0.8  # HTTP throughput / ring client throughput for nsfw
 
 def _body(meta: dict[str, Any], seed: int) -> tuple[bytes, dict[str, str]]:
     """A one-row binary-data infer request of random inputs for the model ``meta`` describes."""
-    from frontend.kserve import NUMPY_OF
+    from shmbroker.frontend.kserve import NUMPY_OF
 
     rng = np.random.default_rng(seed)
     entries, chunks = [], []
@@ -105,7 +105,7 @@ class Frontend:
 
     def __init__(self, runtime_dir: Path, workers: int, log_path: Path) -> None:
         env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(runtime_dir), PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "broker.cli", "--runtime-dir", str(runtime_dir), "http", "--workers",
+        cmd = [sys.executable, "-m", "shmbroker.broker.cli", "--runtime-dir", str(runtime_dir), "http", "--workers",
                str(workers), "--port", "0", "--slots", str(2 * CONCURRENCY), "--max-items", "1"]
         self.log_path = log_path
         with open(log_path, "wb") as log:
@@ -173,7 +173,7 @@ def table(doc: Figures) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from bench.report import machine
+    from shmbroker.bench.report import machine
 
     progress = Progress()
     cfg_path = Path(args.config).resolve() if args.config else config.DEFAULT_CONFIG

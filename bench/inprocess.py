@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
-from bench.common import Figures, Progress
-from broker.config import Config
-from gpu_worker import model_source
-from gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
+from shmbroker.bench.common import Figures, Progress
+from shmbroker.broker.common.config import Config
+from shmbroker.gpu_worker import model_source
+from shmbroker.gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
 
 MIN_RUNS = 3
 WARMUP_RUNS = 2

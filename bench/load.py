@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import BenchError, Figures, latency_summary
-from bench.procs import Sync
-from client import Client, ShmBrokerError
+from shmbroker.bench.common import BenchError, Figures, latency_summary
+from shmbroker.bench.procs import Sync
+from shmbroker.client import Client, ShmBrokerError
 
 
 def _inputs(client: Client, model: str, rows: int, seed: int) -> dict[str, np.ndarray]:

@@ -1,4 +1,4 @@
-"""``python -m bench.lone``: a lone request (concurrency 1) through the broker, with idle dispatch on and off,
+"""``python -m shmbroker.bench.lone``: a lone request (concurrency 1) through the broker, with idle dispatch on and off,
 against the engine in-process at batch 1 with 1 and 2 threads, all in one run, in interleaved rounds.
 
 The broker runs the config (default ``configs/default.toml``) with ``models.MODEL.idle_dispatch`` set each
@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from bench import gpu_variants, report
-from bench.broker_proc import BrokerProcess
-from bench.common import Figures, Progress, emit
-from broker import config
-from client import Client
-from gpu_worker import model_source
+from shmbroker.bench import gpu_variants, report
+from shmbroker.bench.broker_proc import BrokerProcess
+from shmbroker.bench.common import Figures, Progress, emit
+from shmbroker.broker.common import config
+from shmbroker.client import Client
+from shmbroker.gpu_worker import model_source
 
 TARGET = 1.25
 
@@ -67,7 +67,7 @@ def through_broker(cfg: config.Config, model: str, idle: bool, x: np.ndarray, re
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.lone", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m shmbroker.bench.lone", description=__doc__)
     ap.add_argument("--config", default=None, metavar="PATH", help="broker config (default configs/default.toml)")
     ap.add_argument("--model", default="nsfw")
     ap.add_argument("--requests", type=int, default=60, help="timed requests per measurement (default 60)")

@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.common import Figures
+from shmbroker.bench.common import Figures
 
 Phase = Callable[[str, str, Callable[[], Figures], Callable[[Figures], str]], None]
 

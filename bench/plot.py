@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.common import BenchError, Figures
+from shmbroker.bench.common import BenchError, Figures
 
 HINT = "--plot needs matplotlib: pip install 'shmbroker[plot]'"
 PANEL_IN = (5.2, 4.0)  # inches per model panel; with DPI a ~60 kB PNG for two panels

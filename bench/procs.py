@@ -18,8 +18,8 @@ from collections.abc import Callable
 from multiprocessing.context import SpawnContext, SpawnProcess
 from typing import Any
 
-from bench.common import BenchError, Figures, Progress
-from broker import proc
+from shmbroker.bench.common import BenchError, Figures, Progress
+from shmbroker.broker.common import proc
 
 SETUP_TIMEOUT_S = 120.0  # connect + warm up, per phase
 Sync = Callable[[], None]

@@ -8,7 +8,7 @@ import sys
 from importlib import metadata
 from typing import Any
 
-from bench.common import Figures
+from shmbroker.bench.common import Figures
 
 # name -> (numerator, denominator, comparison, target, what it says)
 TARGETS: dict[str, tuple[tuple[str, str], tuple[str, str], str, float, str]] = {

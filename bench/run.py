@@ -30,11 +30,11 @@ from typing import Any
 
 import psutil
 
-from bench import echo, inprocess, load, paired, plot, report, sweep
-from bench.broker_proc import BrokerProcess, counters_delta, model_counters
-from bench.common import BenchError, Figures, Progress
-from bench.procs import Target, run_group
-from broker import config
+from shmbroker.bench import echo, inprocess, load, paired, plot, report, sweep
+from shmbroker.bench.broker_proc import BrokerProcess, counters_delta, model_counters
+from shmbroker.bench.common import BenchError, Figures, Progress
+from shmbroker.bench.procs import Target, run_group
+from shmbroker.broker.common import config
 
 PROCESSES = 4
 TINY_IN_FLIGHT = 8  # per process: 32 in flight
@@ -320,11 +320,11 @@ def _draw(doc: Figures, path: Path, bench: Bench, progress: Progress) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.gpu:
-        from bench.gpu import main as gpu_main
+        from shmbroker.bench.gpu import main as gpu_main
 
         return gpu_main(args)
     if args.http:
-        from bench.http_bench import main as http_main
+        from shmbroker.bench.http_bench import main as http_main
 
         return http_main(args)
     if args.plot:

@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from bench import load
-from bench.broker_proc import counters_delta, model_counters
-from bench.common import BenchError, Figures, Progress, latency_summary
-from bench.procs import run_group, spawn_context
-from broker import protocol as P
+from shmbroker.bench import load
+from shmbroker.bench.broker_proc import counters_delta, model_counters
+from shmbroker.bench.common import BenchError, Figures, Progress, latency_summary
+from shmbroker.bench.procs import run_group, spawn_context
+from shmbroker.broker.common import protocol as P
 
 MAX_PROCESSES = 4
 ROUND_TIMEOUT_S = 300.0  # one barrier wait: set-up before the first round, a window and its drain after

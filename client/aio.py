@@ -10,8 +10,8 @@ import asyncio
 import os
 from typing import Any
 
-from client.client import Client, Inputs, Outputs
-from client.lifecycle import CLOSE_WAIT_S
+from shmbroker.client.client import Client, Inputs, Outputs
+from shmbroker.client.lifecycle import CLOSE_WAIT_S
 
 
 class AsyncClient:

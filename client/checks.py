@@ -9,8 +9,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from client.errors import BadInput
-from client.session import ModelPlan
+from shmbroker.client.errors import BadInput
+from shmbroker.client.session import ModelPlan
 
 MAX_TIMEOUT_S = 0xFFFF_FFFF / 1e6  # timeout_us is a u32 on the wire
 

@@ -25,11 +25,11 @@ import numpy as np
 import zmq
 from zmq.utils import monitor as zmq_monitor
 
-from broker import protocol as P
-from broker.ring import RingError
-from broker.spin import SpinPolicy
-from client.checks import FORKS, MAX_ITEMS_SETTING, check_rows, check_timeout, checked_arrays
-from client.errors import (
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.ring import RingError
+from shmbroker.broker.common.spin import SpinPolicy
+from shmbroker.client.checks import FORKS, MAX_ITEMS_SETTING, check_rows, check_timeout, checked_arrays
+from shmbroker.client.errors import (
     ClientClosed,
     Overloaded,
     RequestError,
@@ -39,13 +39,13 @@ from client.errors import (
     WorkerDied,
     from_status,
 )
-from client.hintwait import HintWait
-from client.lead import ReceiveRole
-from client.lifecycle import Lifecycle
-from client.receiving import IO_SPIN_REACH, SLOT_ANSWERS, Pending, Receiving
-from client.rejoin import RETRY_S, Rejoin
-from client.request import Request
-from client.session import (
+from shmbroker.client.hintwait import HintWait
+from shmbroker.client.lead import ReceiveRole
+from shmbroker.client.lifecycle import Lifecycle
+from shmbroker.client.receiving import IO_SPIN_REACH, SLOT_ANSWERS, Pending, Receiving
+from shmbroker.client.rejoin import RETRY_S, Rejoin
+from shmbroker.client.request import Request
+from shmbroker.client.session import (
     GRACE_S,
     Link,
     ModelPlan,
@@ -79,7 +79,7 @@ class Client(Receiving, Lifecycle):
     the largest ``max_batch`` of the served models); above every ``max_batch`` it is lowered to the largest,
     with a warning. ``spin_us``: how long a thread that waits for answers (a caller in ``infer()``, the IO thread while
     requests are in flight) polls without sleeping, and only while most recent answers came back that fast
-    (within four windows for the IO thread; broker.spin, client.receiving.IO_SPIN_REACH); 0: never.
+    (within four windows for the IO thread; broker.common.spin, client.receiving.IO_SPIN_REACH); 0: never.
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from broker.protocol import Status
+from shmbroker.broker.common.protocol import Status
 
 
 class ShmBrokerError(Exception):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from broker.ring import Segment
+from shmbroker.broker.common.ring import Segment
 
 # a spinning worker takes a hint within about 10 us: the rest is room for a preempted one
 # (bench/RESULTS.md#python-cost-per-request)

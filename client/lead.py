@@ -18,8 +18,8 @@ from typing import Any
 
 import zmq
 
-from broker.spin import SpinPolicy
-from client.session import Link
+from shmbroker.broker.common.spin import SpinPolicy
+from shmbroker.client.session import Link
 
 POLL_SLICE_MS = 10  # a leader checks this often whether the IO thread needs the sockets back
 

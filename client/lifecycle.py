@@ -11,11 +11,11 @@ from typing import Any, Self
 
 import zmq
 
-from broker import protocol as P
-from broker.ring import Segment
-from client.errors import ClientClosed, ShmBrokerError, WorkerDied
-from client.lead import ReceiveRole
-from client.session import Link, SlotViews
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.ring import Segment
+from shmbroker.client.errors import ClientClosed, ShmBrokerError, WorkerDied
+from shmbroker.client.lead import ReceiveRole
+from shmbroker.client.session import Link, SlotViews
 
 CLOSE_WAIT_S = 5.0  # how long close() (and leaving the with block) lets requests in flight finish
 

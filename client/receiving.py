@@ -19,14 +19,14 @@ from typing import Any
 
 import zmq
 
-from broker import protocol as P
-from broker.protocol import SLOT_HEADER, STATE_GEN, SlotState
-from broker.ring import Segment
-from broker.spin import SpinPolicy
-from client.errors import ShmBrokerError, WorkerDied
-from client.lead import ReceiveRole
-from client.rejoin import Rejoin
-from client.session import Link, ModelPlan, RowsLayout
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.protocol import SLOT_HEADER, STATE_GEN, SlotState
+from shmbroker.broker.common.ring import Segment
+from shmbroker.broker.common.spin import SpinPolicy
+from shmbroker.client.errors import ShmBrokerError, WorkerDied
+from shmbroker.client.lead import ReceiveRole
+from shmbroker.client.rejoin import Rejoin
+from shmbroker.client.session import Link, ModelPlan, RowsLayout
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
 # total store order: the worker's output bytes are visible before its state word. x86-64 gives that;
 # elsewhere (ARM) answers come only by their DONE message.
 SLOT_ANSWERS = platform.machine().lower() in ("x86_64", "amd64")
-# The IO thread spins after answers while most answers come within this many of its windows (broker.spin's
+# The IO thread spins after answers while most answers come within this many of its windows (broker.common.spin's
 # reach), not one: it spins only while requests are in flight, and it is on a slow or preempted machine,
 # with answers 1-2 ms apart, that sleeping between them costs the most
 # (bench/RESULTS.md#spin-policy-and-io-thread-reach).
@@ -139,7 +139,7 @@ class Receiving:
 
     def _poll(self, poller: zmq.Poller) -> dict[Any, int]:
         """The IO thread's poll. Right after it handled answers, while more are in flight and most recent
-        answers came within ``IO_SPIN_REACH`` windows of the client's ``spin_us`` (broker.spin), it polls
+        answers came within ``IO_SPIN_REACH`` windows of the client's ``spin_us`` (broker.common.spin), it polls
         without sleeping until one comes or the window ends. Why: on small and virtual machines a thread
         woken from sleep costs tens of microseconds more per wake-up, and it is woken once per DONE message
         (bench/RESULTS.md#io-thread-spin)."""

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from broker import protocol as P
-from client.errors import ShmBrokerError, from_status
-from client.session import GRACE_S, ModelPlan
+from shmbroker.broker.common import protocol as P
+from shmbroker.client.errors import ShmBrokerError, from_status
+from shmbroker.client.session import GRACE_S, ModelPlan
 
 if TYPE_CHECKING:
-    from client.client import Client, Outputs
+    from shmbroker.client.client import Client, Outputs
 
 
 class _EndedInputs(dict[str, np.ndarray]):

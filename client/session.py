@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import zmq
 
-from broker import liveness, runtime
-from broker import protocol as P
-from broker.handout import HandoutError, fetch_ring
-from broker.ring import RingLayout, Segment, pack_offsets
-from client.errors import HandshakeError, NoBroker
+from shmbroker.broker.common import liveness, runtime
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.handout import HandoutError, fetch_ring
+from shmbroker.broker.common.ring import RingLayout, Segment, pack_offsets
+from shmbroker.client.errors import HandshakeError, NoBroker
 
 MONITOR_EVENT = struct.Struct("=H")  # a ZeroMQ monitor message starts with the event id, native u16
 GRACE_S = 2.0  # how long past its deadline a request may stay unanswered before the client gives up

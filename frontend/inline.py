@@ -32,12 +32,12 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from broker import protocol as P
-from broker import runtime
-from broker.ratelog import RateLimitedLog
-from client import AsyncClient, BadInput, RequestTimeout, ShmBrokerError
-from client.checks import check_rows
-from client.session import GRACE_S, ModelPlan
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common import runtime
+from shmbroker.broker.common.ratelog import RateLimitedLog
+from shmbroker.client import AsyncClient, BadInput, RequestTimeout, ShmBrokerError
+from shmbroker.client.checks import check_rows
+from shmbroker.client.session import GRACE_S, ModelPlan
 
 log = logging.getLogger(__name__)
 INLINE_REQUEST = 40  # kinds of the inline socket only; the envelope is the protocol's <u16 version, u16 kind>

@@ -7,7 +7,7 @@ import os
 import stat
 import sys
 
-from broker import proc
+from shmbroker.broker.common import proc
 
 # Requests the gateway holds at once (frames, a slot or the wait for one): with 16 slots, enough queued behind
 # them to ride out a burst, and a bound on memory of about this many times the largest request.
@@ -88,7 +88,7 @@ def command(args: argparse.Namespace) -> int:
         sys.stdout.write(f"shmbroker inline: ready on {' '.join(endpoints)}\n")
         sys.stdout.flush()
 
-    from frontend.inline import GatewayRefused, serve
+    from shmbroker.frontend.inline import GatewayRefused, serve
 
     try:
         return uvloop.run(serve(args, ready))

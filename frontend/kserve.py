@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from broker import protocol as P
+from shmbroker.broker.common import protocol as P
 
 # KServe v2 datatype <-> the broker's numpy dtype names (TensorSpec.dtype); the DType names already match
 DATATYPE_OF: dict[str, str] = {np.dtype(P.numpy_dtype(d)).name: d.name for d in P.DType}

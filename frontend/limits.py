@@ -22,9 +22,9 @@ from typing import cast
 import msgspec
 from aiohttp import web
 
-from broker.ratelog import RateLimitedLog
-from frontend.kserve import HttpError
-from frontend.settings import Settings
+from shmbroker.broker.common.ratelog import RateLimitedLog
+from shmbroker.frontend.kserve import HttpError
+from shmbroker.frontend.settings import Settings
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20

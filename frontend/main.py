@@ -27,8 +27,8 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from broker import proc
-from frontend.settings import Settings
+from shmbroker.broker.common import proc
+from shmbroker.frontend.settings import Settings
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 120.0  # a child's session handshake is retried until the broker answers
@@ -83,7 +83,7 @@ class Frontends:
         return self.settings.port
 
     def _start(self) -> tuple[BaseProcess, Connection]:
-        from frontend import server  # aiohttp and the client load in the children, not in `shmbroker ...`
+        from shmbroker.frontend import server  # aiohttp and the client load in the children, not in `shmbroker ...`
 
         rx, tx = self._ctx.Pipe(duplex=False)
         p = self._ctx.Process(target=server.run, args=(self.settings, tx, self.log_level, self._sock),
@@ -227,7 +227,7 @@ def allow_open_files(max_connections: int) -> None:
 
 def command(args: argparse.Namespace) -> int:
     """``shmbroker http``: prints one line with the address once every process is ready, then serves."""
-    from broker import runtime
+    from shmbroker.broker.common import runtime
 
     proc.name_process("shmb-http-main")
     proc.setup_logging(args.log_level)

@@ -25,14 +25,14 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from broker import proc
-from broker import protocol as P
-from broker.ask import ask_broker
-from client import AsyncClient, BadInput, Overloaded, RequestTimeout, ShmBrokerError, UnknownModel, WorkerDied
-from frontend import kserve
-from frontend.kserve import HttpError
-from frontend.limits import BodyBudget, ConnectionGuard, request_body
-from frontend.settings import Settings
+from shmbroker.broker.common import proc
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.ask import ask_broker
+from shmbroker.client import AsyncClient, BadInput, Overloaded, RequestTimeout, ShmBrokerError, UnknownModel, WorkerDied
+from shmbroker.frontend import kserve
+from shmbroker.frontend.kserve import HttpError
+from shmbroker.frontend.limits import BodyBudget, ConnectionGuard, request_body
+from shmbroker.frontend.settings import Settings
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -246,7 +246,7 @@ async def serve(settings: Settings, ready: Connection | None = None, sock: socke
     runner = web.AppRunner(fe.app(), access_log=None, handle_signals=False,
                            keepalive_timeout=max(KEEPALIVE_S, settings.header_timeout_s))
     await runner.setup()
-    # alone (``python -m frontend.server``) it binds without SO_REUSEPORT, so it too owns its port
+    # alone (``python -m shmbroker.frontend.server``) it binds without SO_REUSEPORT, so it too owns its port
     site = GuardedSite(runner, sock if sock is not None else socket.create_server((settings.host, settings.port)),
                        fe.guard)
     await site.start()
@@ -275,7 +275,7 @@ def run(settings: Settings, ready: Connection | None = None, log_level: str = "I
 def _main_args(argv: list[str] | None = None) -> Settings:
     import argparse
 
-    from broker import runtime
+    from shmbroker.broker.common import runtime
 
     ap = argparse.ArgumentParser(description="one shmbroker HTTP front-end process (see `shmbroker http`)")
     ap.add_argument("--host", default="127.0.0.1")

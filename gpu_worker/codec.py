@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from broker import protocol as P
-from broker.ring import pack_offsets
-from gpu_worker.engines.base import IOSpec
-from gpu_worker.intake import ModelView
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.ring import pack_offsets
+from shmbroker.gpu_worker.engines.base import IOSpec
+from shmbroker.gpu_worker.intake import ModelView
 
 if TYPE_CHECKING:
-    from gpu_worker.work import Work
+    from shmbroker.gpu_worker.work import Work
 
 DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
 OK = int(P.Status.OK)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from broker import protocol as P
-from broker.protocol import HINT, HINT_AT, HINT_CAPACITY, HINT_RECORD_AT, STATE_GEN, SlotState
-from gpu_worker.sessions import WorkerSession
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.protocol import HINT, HINT_AT, HINT_CAPACITY, HINT_RECORD_AT, STATE_GEN, SlotState
+from shmbroker.gpu_worker.sessions import WorkerSession
 
 
 @dataclass(slots=True)

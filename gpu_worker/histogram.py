@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import threading
 
-from broker import protocol as P
+from shmbroker.broker.common import protocol as P
 
 
 def _bounds() -> tuple[float, ...]:

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from broker import protocol as P
-from broker.protocol import SlotState
-from broker.ring import RingError, check_span, pack_offsets
-from gpu_worker.engines.base import IOSpec
-from gpu_worker.sessions import WorkerSession
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.protocol import SlotState
+from shmbroker.broker.common.ring import RingError, check_span, pack_offsets
+from shmbroker.gpu_worker.engines.base import IOSpec
+from shmbroker.gpu_worker.sessions import WorkerSession
 
 
 class Rejected(Exception):

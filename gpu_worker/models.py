@@ -7,16 +7,16 @@ import logging
 import time
 from typing import cast
 
-from broker import protocol as P
-from broker.config import Config, ModelSection
-from gpu_worker import cuda, model_source
-from gpu_worker.batcher import Batcher
-from gpu_worker.engines import DeviceEngine, Engine, IOSpec, is_device_engine, load_engine
-from gpu_worker.intake import ModelView
-from gpu_worker.pipeline import PipelineRunner
-from gpu_worker.runner import BatchRunner, ModelRunner
-from gpu_worker.warmup import prime
-from gpu_worker.work import ModelCounters, Work
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.config import Config, ModelSection
+from shmbroker.gpu_worker import cuda, model_source
+from shmbroker.gpu_worker.batcher import Batcher
+from shmbroker.gpu_worker.engines import DeviceEngine, Engine, IOSpec, is_device_engine, load_engine
+from shmbroker.gpu_worker.intake import ModelView
+from shmbroker.gpu_worker.pipeline import PipelineRunner
+from shmbroker.gpu_worker.runner import BatchRunner, ModelRunner
+from shmbroker.gpu_worker.warmup import prime
+from shmbroker.gpu_worker.work import ModelCounters, Work
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def lone_engine(cfg: Config, name: str) -> Engine | None:
     mc = cfg.models[name]
     if mc.engine != "onnxruntime" or mc.instances < 2 or mc.intra_op_threads < 1:
         return None
-    from gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
+    from shmbroker.gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
 
     return OnnxRuntimeEngine(model_source.resolve(cfg.model_path(name)),
                              intra_op_threads=mc.instances * mc.intra_op_threads, spin=True)

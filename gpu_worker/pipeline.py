@@ -19,16 +19,16 @@ import queue
 import threading
 import time
 
-from broker import proc
-from broker import protocol as P
-from gpu_worker import cuda
-from gpu_worker.batcher import Batcher, Take
-from gpu_worker.engines.base import DeviceEngine
-from gpu_worker.histogram import Histogram
-from gpu_worker.intake import ModelView
-from gpu_worker.runner import BatchRunner
-from gpu_worker.streams import CopyPlan, StreamSlot, probe_batched_copies
-from gpu_worker.work import ModelCounters, Work, complete_ok
+from shmbroker.broker.common import proc
+from shmbroker.broker.common import protocol as P
+from shmbroker.gpu_worker import cuda
+from shmbroker.gpu_worker.batcher import Batcher, Take
+from shmbroker.gpu_worker.engines.base import DeviceEngine
+from shmbroker.gpu_worker.histogram import Histogram
+from shmbroker.gpu_worker.intake import ModelView
+from shmbroker.gpu_worker.runner import BatchRunner
+from shmbroker.gpu_worker.streams import CopyPlan, StreamSlot, probe_batched_copies
+from shmbroker.gpu_worker.work import ModelCounters, Work, complete_ok
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The worker process: a thin wrapper that names the process, ties it to the broker and runs Worker.
 
-The broker starts it as ``python -m gpu_worker.process --worker-id N --runtime-dir DIR`` and writes the
+The broker starts it as ``python -m shmbroker.gpu_worker.process --worker-id N --runtime-dir DIR`` and writes the
 validated config as JSON on its stdin, so the worker serves exactly what the broker checked.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import msgspec
 
-from broker import proc
-from broker.config import Config
+from shmbroker.broker.common import proc
+from shmbroker.broker.common.config import Config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     proc.stop_on_signals(stop)
     if parent == 1:  # the broker died before the parent-death signal was armed
         return 1
-    from gpu_worker.worker import Worker  # after logging: engines log while loading
+    from shmbroker.gpu_worker.worker import Worker  # after logging: engines log while loading
 
     return Worker(cfg, args.worker_id, Path(args.runtime_dir), args.restarts).run(stop)
 

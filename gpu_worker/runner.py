@@ -17,14 +17,14 @@ from contextlib import AbstractContextManager
 
 import numpy as np
 
-from broker import proc
-from broker import protocol as P
-from broker.protocol import SlotState
-from gpu_worker.batcher import Batcher, Take
-from gpu_worker.codec import ModelCodec
-from gpu_worker.engines.base import Engine
-from gpu_worker.intake import ModelView, input_arrays
-from gpu_worker.work import ModelCounters, Work, complete_ok, reply
+from shmbroker.broker.common import proc
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.protocol import SlotState
+from shmbroker.gpu_worker.batcher import Batcher, Take
+from shmbroker.gpu_worker.codec import ModelCodec
+from shmbroker.gpu_worker.engines.base import Engine
+from shmbroker.gpu_worker.intake import ModelView, input_arrays
+from shmbroker.gpu_worker.work import ModelCounters, Work, complete_ok, reply
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from broker import protocol as P
-from broker import runtime
-from broker.handout import fetch_ring
-from broker.peergate import PeerGate
-from broker.ring import RingLayout, Segment
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common import runtime
+from shmbroker.broker.common.handout import fetch_ring
+from shmbroker.broker.common.peergate import PeerGate
+from shmbroker.broker.common.ring import RingLayout, Segment
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class WorkerSession:
         """
         if self._registered or self._register_failed:
             return self._registered
-        from gpu_worker import cuda
+        from shmbroker.gpu_worker import cuda
 
         with self._register_lock:
             if not (self._registered or self._register_failed):
@@ -179,7 +179,7 @@ class WorkerSession:
         with self._register_lock:
             if not self._registered:
                 return
-            from gpu_worker import cuda
+            from shmbroker.gpu_worker import cuda
 
             self._registered = False
             try:

@@ -11,10 +11,10 @@ import logging
 import time
 from collections.abc import Sequence
 
-from gpu_worker import cuda
-from gpu_worker.codec import ModelCodec
-from gpu_worker.engines.base import DeviceContext, DeviceEngine
-from gpu_worker.work import Work
+from shmbroker.gpu_worker import cuda
+from shmbroker.gpu_worker.codec import ModelCodec
+from shmbroker.gpu_worker.engines.base import DeviceContext, DeviceEngine
+from shmbroker.gpu_worker.work import Work
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ import time
 
 import numpy as np
 
-from gpu_worker.engines.base import Engine, EngineError
-from gpu_worker.intake import ModelView
-from gpu_worker.runner import BatchRunner
+from shmbroker.gpu_worker.engines.base import Engine, EngineError
+from shmbroker.gpu_worker.intake import ModelView
+from shmbroker.gpu_worker.runner import BatchRunner
 
 
 def prime(runner: BatchRunner) -> None:

@@ -7,11 +7,11 @@ import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from broker import protocol as P
-from broker.protocol import SlotState
-from gpu_worker.codec import ModelCodec
-from gpu_worker.histogram import Histogram
-from gpu_worker.sessions import WorkerSession
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.protocol import SlotState
+from shmbroker.gpu_worker.codec import ModelCodec
+from shmbroker.gpu_worker.histogram import Histogram
+from shmbroker.gpu_worker.sessions import WorkerSession
 
 _STATUS_NAMES = {s: s.name for s in P.Status}
 

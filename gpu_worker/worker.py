@@ -17,20 +17,20 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from broker import protocol as P
-from broker import runtime
-from broker.config import Config
-from broker.peergate import PeerGate
-from broker.protocol import STATE_GEN, TENSOR_ROWS, TENSOR_ROWS_AT, SlotState
-from broker.ratelog import RateLimitedLog
-from broker.ring import RingError
-from broker.spin import SpinPolicy
-from gpu_worker.codec import RowsCanon
-from gpu_worker.hints import Watch, hinted_submit
-from gpu_worker.intake import Rejected, check_slot, check_tensors
-from gpu_worker.models import ServedModel, build_models, model_info, overloaded_message
-from gpu_worker.sessions import WorkerSession, map_ring
-from gpu_worker.work import Work, reply
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common import runtime
+from shmbroker.broker.common.config import Config
+from shmbroker.broker.common.peergate import PeerGate
+from shmbroker.broker.common.protocol import STATE_GEN, TENSOR_ROWS, TENSOR_ROWS_AT, SlotState
+from shmbroker.broker.common.ratelog import RateLimitedLog
+from shmbroker.broker.common.ring import RingError
+from shmbroker.broker.common.spin import SpinPolicy
+from shmbroker.gpu_worker.codec import RowsCanon
+from shmbroker.gpu_worker.hints import Watch, hinted_submit
+from shmbroker.gpu_worker.intake import Rejected, check_slot, check_tensors
+from shmbroker.gpu_worker.models import ServedModel, build_models, model_info, overloaded_message
+from shmbroker.gpu_worker.sessions import WorkerSession, map_ring
+from shmbroker.gpu_worker.work import Work, reply
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,11 @@ import numpy as np
 import psutil
 import pytest
 
-from broker import protocol as P
-from broker import ring
-from broker.ask import ask_broker
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common import ring
+from shmbroker.broker.common.ask import ask_broker
 
+CLI = [sys.executable, "-m", "shmbroker.broker.cli"]  # `shmbroker` of this checkout, in a child
 REPO = Path(__file__).resolve().parent.parent
 
 TEST_MODELS = """
@@ -184,7 +185,7 @@ class RunningBroker:
 
 
 @contextlib.contextmanager
-def running_broker(tmp: Path, mode: str = "process", **kwargs: str) -> Iterator[RunningBroker]:
+def running_broker(tmp: Path, mode: str = "process", **kwargs: Any) -> Iterator[RunningBroker]:
     """``start_broker`` for the span of a ``with`` (a fixture's body): it must stop cleanly, every ring released."""
     b = start_broker(tmp, mode, **kwargs)
     try:
@@ -233,14 +234,16 @@ def free_port() -> int:
 
 
 def start_broker(tmp: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS,
-                 sessions: str = SESSIONS) -> RunningBroker:
-    """Start ``shmbroker serve`` and return once every model is ready (the broker's HEALTH wait, no sleeps)."""
+                 sessions: str = SESSIONS, max_fds: int = 0) -> RunningBroker:
+    """Start ``shmbroker serve`` and return once every model is ready (the broker's HEALTH wait, no sleeps);
+    ``max_fds``: its RLIMIT_NOFILE (0: this process's)."""
     runtime_dir = tmp / "run"
     cfg = write_config(tmp / "broker.toml", mode, extra, models, sessions)
     log_path = tmp / "broker.log"
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(runtime_dir), PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "serve", "--config", str(cfg)],
+        limit = ["prlimit", f"--nofile={max_fds}:{max_fds}", "--"] if max_fds else []
+        proc = subprocess.Popen([*limit, *CLI, "serve", "--config", str(cfg)],
                                 env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
     b = RunningBroker(runtime_dir, proc, log_path)
     reply = b.health(wait_s=90)

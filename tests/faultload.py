@@ -88,7 +88,7 @@ def run_load(spec: LoadSpec, stop: Event, started: Barrier, mark: Synchronized[f
     Requests go out with ``Client.call``: the answer is counted in the callback, on the client's IO thread,
     so the sender's own cost per request stays small (the senders share the cores with the worker).
     """
-    from client import Client, ShmBrokerError
+    from shmbroker.client import Client, ShmBrokerError
     from tests.models import direct
 
     xs = _inputs(spec.model, spec.seed)
@@ -189,7 +189,7 @@ class LoadGroup:
 
 def hold_requests(runtime_dir: Path, model: str, n: int, out: Any) -> None:
     """A client process that submits ``n`` requests, reports its segment name and waits to be killed."""
-    from client import Client
+    from shmbroker.client import Client
 
     c = Client(runtime_dir, slots=n)
     x = _inputs(model, 0)[0]
@@ -203,7 +203,7 @@ def hold_requests(runtime_dir: Path, model: str, n: int, out: Any) -> None:
 
 def churn_sessions(runtime_dir: Path, stop: Event, out: Any) -> None:
     """Open a session, run one request, close it; again until ``stop``. Puts (sessions, errors) on ``out``."""
-    from client import Client, ShmBrokerError
+    from shmbroker.client import Client, ShmBrokerError
 
     x = _inputs("tiny", 1)[0]
     n = errors = 0

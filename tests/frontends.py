@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +20,9 @@ import msgspec
 import numpy as np
 import zmq
 
-from broker import protocol as P
-from frontend.inline import INLINE_REPLY, INLINE_REQUEST
-from tests.conftest import REPO, RunningBroker, start_broker
+from shmbroker.broker.common import protocol as P
+from shmbroker.frontend.inline import INLINE_REPLY, INLINE_REQUEST
+from tests.conftest import CLI, REPO, RunningBroker, start_broker
 
 if TYPE_CHECKING:  # imported when used: the inline gateway's tests need no HTTP client
     import tritonclient.http as th
@@ -62,7 +61,7 @@ def start_frontend(b: RunningBroker, log_path: Path, workers: int = 2, extra: tu
     """`shmbroker http --port 0`; returns once it printed its ready line (every process has its session)."""
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir), PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "http", "--workers", str(workers), "--port", "0",
+        proc = subprocess.Popen([*CLI, "http", "--workers", str(workers), "--port", "0",
                                  "--slots", "32", *extra], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=logf,
                                 text=True)
     assert proc.stdout is not None
@@ -79,7 +78,7 @@ def start_inline(b: RunningBroker, log_path: Path, *extra: str) -> tuple[subproc
     """`shmbroker inline`; returns once it printed its ready line, with the endpoints it listens on."""
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir), PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "inline", "--slots", "16", *extra], env=env,
+        proc = subprocess.Popen([*CLI, "inline", "--slots", "16", *extra], env=env,
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=logf, text=True)
     line = proc.stdout.readline() if proc.stdout is not None else ""
     m = re.match(r"shmbroker inline: ready on (.+)$", line.strip())

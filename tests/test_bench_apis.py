@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import apis
+from shmbroker.bench import apis
 
 
 def test_one_round_measures_the_three_apis_and_the_targets(tmp_path: Path) -> None:

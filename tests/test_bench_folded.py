@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import threading
 
-from bench import cpu_sample, folded
-from broker import proc
+from shmbroker.bench import cpu_sample, folded
+from shmbroker.broker.common import proc
 
 STACKS = """thread (1): runner;_loop (gpu_worker/pipeline.py:120);issue (gpu_worker/streams.py:115) 30
 thread (1): runner;_loop (gpu_worker/pipeline.py:120) 10

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_report, gpu_variants
-from bench.gpu import DEFAULT_CONFIG, MODEL
-from broker import config
+from shmbroker.bench import gpu_report, gpu_variants
+from shmbroker.bench.gpu import DEFAULT_CONFIG, MODEL
+from shmbroker.broker.common import config
 
 
 def test_each_engine_config_reads_back_equal(tmp_path: Path) -> None:

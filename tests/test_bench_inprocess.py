@@ -6,9 +6,9 @@ import io
 import os
 from collections.abc import Callable
 
-from bench import inprocess, paired, report
-from bench.common import Figures, Progress
-from broker import config
+from shmbroker.bench import inprocess, paired, report
+from shmbroker.bench.common import Figures, Progress
+from shmbroker.broker.common import config
 
 
 def test_pinned_measures_the_sweeps_best_shape_and_batch_size_with_real_onnxruntime():

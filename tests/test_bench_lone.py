@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import lone
+from shmbroker.bench import lone
 
 
 def test_one_round_measures_all_four_and_the_target(tmp_path: Path) -> None:

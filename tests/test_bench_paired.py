@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench import paired, report
-from bench.common import Figures
+from shmbroker.bench import paired, report
+from shmbroker.bench.common import Figures
 
 
 def _side(key: str, values: list[float], latency: bool = False) -> paired.Side:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import plot, sweep
-from bench.common import BenchError, Progress
-from broker.cli import main as cli_main
+from shmbroker.bench import plot, sweep
+from shmbroker.bench.common import BenchError, Progress
+from shmbroker.broker.cli import main as cli_main
 from tests.conftest import RunningBroker
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker import cli
-from broker.modelbuild import calibration, convert, engine
-from gpu_worker.engines import EngineError
-from gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
-from gpu_worker.engines.tensorrt import check_plan_io, check_plan_meta
-from gpu_worker.model_source import tiny_model_bytes
+from shmbroker.broker import cli
+from shmbroker.broker.modelbuild import calibration, convert, engine
+from shmbroker.gpu_worker.engines import EngineError
+from shmbroker.gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
+from shmbroker.gpu_worker.engines.tensorrt import check_plan_io, check_plan_meta
+from shmbroker.gpu_worker.model_source import tiny_model_bytes
 from tests import photoset
 from tests.models import NSFW
 

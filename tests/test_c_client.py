@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client import Client
+from shmbroker.client import Client
 from tests.conftest import REPO, RunningBroker
 from tests.frontends import broker_with_gateway
 

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker import protocol as P
-from client import BadInput, Client
-from client.checks import MAX_TIMEOUT_S, check_timeout, checked_arrays
-from client.session import ModelPlan
+from shmbroker.broker.common import protocol as P
+from shmbroker.client import BadInput, Client
+from shmbroker.client.checks import MAX_TIMEOUT_S, check_timeout, checked_arrays
+from shmbroker.client.session import ModelPlan
 from tests.conftest import RunningBroker
 
 

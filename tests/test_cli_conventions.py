@@ -8,7 +8,6 @@ import importlib.metadata
 import json
 import os
 import subprocess
-import sys
 import time
 import tomllib
 from collections.abc import Iterator
@@ -18,19 +17,20 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from broker import cli, runtime
-from client import Client
-from tests.conftest import REPO, TEST_MODELS, RunningBroker, running_broker, write_config
+from shmbroker.broker import cli
+from shmbroker.broker.common import runtime
+from shmbroker.client import Client
+from tests.conftest import CLI, REPO, TEST_MODELS, RunningBroker, running_broker, write_config
 
 TINY_ONLY = TEST_MODELS.split("[models.nsfw]")[0]
 
 
 def shmbroker(*argv: str, runtime_dir: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``python -m broker.cli ARGV`` in a child; ``runtime_dir`` goes in $SHMBROKER_RUNTIME_DIR, else none is set."""
+    """``shmbroker ARGV`` in a child; ``runtime_dir`` goes in $SHMBROKER_RUNTIME_DIR, else none is set."""
     env = {k: v for k, v in os.environ.items() if k != "SHMBROKER_RUNTIME_DIR"}
     if runtime_dir is not None:
         env["SHMBROKER_RUNTIME_DIR"] = str(runtime_dir)
-    return subprocess.run([sys.executable, "-m", "broker.cli", *argv], env=env, cwd=REPO, capture_output=True,
+    return subprocess.run([*CLI, *argv], env=env, cwd=REPO, capture_output=True,
                           text=True, check=False, timeout=timeout)
 
 
@@ -163,7 +163,7 @@ def test_serve_log_level_overrides_the_config(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "broker.toml", models=TINY_ONLY)  # log_level = "INFO"
     log_path, rd = tmp_path / "broker.log", tmp_path / "run"
     with open(log_path, "wb") as logf:
-        p = subprocess.Popen([sys.executable, "-m", "broker.cli", "serve", "--config", str(cfg), "--log-level",
+        p = subprocess.Popen([*CLI, "serve", "--config", str(cfg), "--log-level",
                               "WARNING", "--runtime-dir", str(rd)], stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
     b = RunningBroker(rd, p, log_path)
     try:

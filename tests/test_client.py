@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from client import Client, ClientClosed, HandshakeError, Overloaded, RequestTimeout, ShmBrokerError
+from shmbroker.client import Client, ClientClosed, HandshakeError, Overloaded, RequestTimeout, ShmBrokerError
 from tests.conftest import TINY_MODELS, RunningBroker, arr, running_broker
 from tests.models import direct
 

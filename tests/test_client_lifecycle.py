@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from client import AsyncClient, Client, ClientClosed, ShmBrokerError, WorkerDied
+from shmbroker.client import AsyncClient, Client, ClientClosed, ShmBrokerError, WorkerDied
 from tests.conftest import RunningBroker
 
 X = np.ones((1, 256), np.float32)

@@ -10,7 +10,7 @@ import numpy as np
 import psutil
 import pytest
 
-from client import Client, WorkerDied
+from shmbroker.client import Client, WorkerDied
 from tests.conftest import RunningBroker, arr, start_broker
 from tests.models import direct
 

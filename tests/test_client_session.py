@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker import runtime
-from client import AsyncClient, Client, HandshakeError, NoBroker
+from shmbroker.broker.common import runtime
+from shmbroker.client import AsyncClient, Client, HandshakeError, NoBroker
 from tests.conftest import RunningBroker
 
 WAIT_S = 60.0  # the handshake's timeout in these tests: failing well inside it shows that nothing waited

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from broker import config as C
-from broker.config import ConfigError
+from shmbroker.broker.common import config as C
+from shmbroker.broker.common.config import ConfigError
 
 MINIMAL: dict[str, Any] = {"models": {"m": {"path": "builtin:tiny"}}}
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client import AsyncClient, BadInput, Client, RequestTimeout, UnknownModel
-from client.client import Outputs
+from shmbroker.client import AsyncClient, BadInput, Client, RequestTimeout, UnknownModel
+from shmbroker.client.client import Outputs
 from tests.conftest import HINT_MODELS, TEST_MODELS, RunningBroker, arr, run_client_processes, start_broker
 from tests.models import direct
 

@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpu_worker import cuda
-from gpu_worker.engines import EngineError, graphed, load_engine, parse_device
-from gpu_worker.engines import tensorrt as trt_engine
-from gpu_worker.engines.meta import read_sidecar, spec_from_dims, specs_from_json
-from gpu_worker.engines.tensorrt import check_plan_meta
-from gpu_worker.model_source import tiny_model_bytes
+from shmbroker.gpu_worker import cuda
+from shmbroker.gpu_worker.engines import EngineError, graphed, load_engine, parse_device
+from shmbroker.gpu_worker.engines import tensorrt as trt_engine
+from shmbroker.gpu_worker.engines.meta import read_sidecar, spec_from_dims, specs_from_json
+from shmbroker.gpu_worker.engines.tensorrt import check_plan_meta
+from shmbroker.gpu_worker.model_source import tiny_model_bytes
 
 
 def check(meta: dict[str, Any]) -> None:

@@ -19,8 +19,8 @@ import numpy as np
 import psutil
 import pytest
 
-from client import Client, WorkerDied
-from tests.conftest import REPO, TINY_MODELS, RunningBroker, arr, process_gone, start_broker, wait_for_new_worker
+from shmbroker.client import Client, WorkerDied
+from tests.conftest import CLI, REPO, TINY_MODELS, RunningBroker, arr, process_gone, start_broker, wait_for_new_worker
 from tests.faultload import SPAWN, LoadGroup, LoadSpec, assert_accounted, hold_requests
 from tests.models import direct
 
@@ -241,7 +241,7 @@ def test_broker_killed_then_restarted(tmp_path: Path) -> None:
             with Client(restarted.runtime_dir) as fresh:
                 np.testing.assert_allclose(arr(fresh.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
             # a second broker on a live broker's directory is refused and touches nothing
-            r = subprocess.run([sys.executable, "-m", "broker.cli", "serve", "--config",
+            r = subprocess.run([*CLI, "serve", "--config",
                                 str(tmp_path / "other" / "broker.toml")], cwd=REPO, capture_output=True, text=True,
                                env=dict(os.environ, SHMBROKER_RUNTIME_DIR=str(other.runtime_dir)), timeout=60,
                                check=False)

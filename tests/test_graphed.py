@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu_worker.engines.graphed import graph_ladder
+from shmbroker.gpu_worker.engines.graphed import graph_ladder
 
 
 @given(st.integers(min_value=1, max_value=4096))

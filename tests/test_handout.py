@@ -1,4 +1,4 @@
-"""broker.handout: the ring handout over a real SOCK_SEQPACKET socket, served as the broker's loop serves it.
+"""broker.common.handout: the ring handout over a real SOCK_SEQPACKET socket, served as the broker's loop serves it.
 
 Another uid's refusal needs children of other uids: tests/test_isolation.py.
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from broker import protocol as P
-from broker import runtime
-from broker.handout import Grantable, HandoutError, RingHandout, fetch_ring, peer_of_address
-from broker.ring import RingLayout, Segment, segment_name
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common import runtime
+from shmbroker.broker.common.handout import Grantable, HandoutError, RingHandout, fetch_ring, peer_of_address
+from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
 
 LAYOUT = RingLayout(session_id=5, n_slots=2, in_capacity=512, out_capacity=512)
 TOKEN = 0x1234_5678_9ABC

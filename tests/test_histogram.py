@@ -6,8 +6,8 @@ import threading
 
 import msgspec
 
-from broker import protocol as P
-from gpu_worker.histogram import BOUNDS_US, Histogram, mean, quantile
+from shmbroker.broker.common import protocol as P
+from shmbroker.gpu_worker.histogram import BOUNDS_US, Histogram, mean, quantile
 
 
 def test_buckets_are_increasing_and_cover_10us_to_10s() -> None:

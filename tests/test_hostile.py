@@ -30,10 +30,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker import protocol as P
-from broker.protocol import SLOT_HEADER_BYTES
-from broker.ring import HEADER_BYTES
-from client import Client
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.protocol import SLOT_HEADER_BYTES
+from shmbroker.broker.common.ring import HEADER_BYTES
+from shmbroker.client import Client
 from tests.conftest import arr, start_broker
 from tests.models import direct
 from tests.rawclient import RawClient

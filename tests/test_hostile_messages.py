@@ -26,9 +26,9 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from broker import protocol as P
-from broker import runtime
-from client import Client, WorkerDied
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common import runtime
+from shmbroker.client import Client, WorkerDied
 from tests.conftest import TINY_MODELS, RunningBroker, arr, running_broker, start_broker, wait_for_new_worker
 from tests.frontends import start_frontend
 from tests.models import direct

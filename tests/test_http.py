@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ import pytest
 import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import REPO, start_broker
+from tests.conftest import CLI, REPO, start_broker
 from tests.frontends import Front, start_frontend
 from tests.models import direct
 
@@ -218,7 +217,7 @@ def test_a_second_http_on_the_port_refuses_to_start(front: Front) -> None:
     """A second `shmbroker http` on the port exits 2 naming the port and --port; nothing of this user may join
     the port with SO_REUSEPORT either; the first one keeps every connection."""
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(front.broker.runtime_dir))
-    r = subprocess.run([sys.executable, "-m", "broker.cli", "http", "--workers", "1", "--port", str(front.port)],
+    r = subprocess.run([*CLI, "http", "--workers", "1", "--port", str(front.port)],
                        env=env, cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2, r.stderr
     assert f"{front.host}:{front.port}" in r.stderr and "--port" in r.stderr and "in use" in r.stderr, r.stderr

@@ -13,7 +13,6 @@ import secrets
 import select
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ import pytest
 import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import REPO, RunningBroker, running_broker
+from tests.conftest import CLI, REPO, RunningBroker, running_broker
 from tests.frontends import Front, start_frontend
 from tests.models import direct
 
@@ -321,7 +320,7 @@ def _http(*argv: str, limit: int | None = None) -> subprocess.CompletedProcess[s
             resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR="/nonexistent/shmbroker-run")
-    return subprocess.run([sys.executable, "-m", "broker.cli", "http", "--port", "0", *argv], env=env, cwd=REPO,
+    return subprocess.run([*CLI, "http", "--port", "0", *argv], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=60, check=False, preexec_fn=lower)
 
 

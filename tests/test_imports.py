@@ -12,14 +12,15 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-PACKAGES = ("broker", "gpu_worker", "client", "frontend")
+PACKAGES = ("broker", "gpu_worker", "client", "frontend")  # production code: shmbroker.<folder>
+TOP_NAMES = ("broker", "gpu_worker", "client", "frontend", "bench", "configs")  # folders, never import names
 
 
 def _modules() -> dict[str, Path]:
-    out = {}
+    out = {"shmbroker": REPO / "shmbroker" / "__init__.py"}
     for package in PACKAGES:
         for path in (REPO / package).rglob("*.py"):
-            parts = path.relative_to(REPO).with_suffix("").parts
+            parts = ("shmbroker", *path.relative_to(REPO).with_suffix("").parts)
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
@@ -98,21 +99,46 @@ def test_production_code_never_imports_bench() -> None:
                  if isinstance(node, ast.Import | ast.ImportFrom)
                  and any(n == "bench" or n.startswith("bench.") for n in
                          ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]))}
-    assert offenders == {"broker.cli"}  # only `shmbroker bench`, inside its command function (checked below)
+    assert offenders == set()
+
+
+def test_only_the_cli_imports_bench_and_only_inside_the_bench_command() -> None:
+    """`shmbroker bench` is the one door from production code into bench, opened when that command runs."""
+    offenders = {m for m, path in _modules().items() for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Import | ast.ImportFrom)
+                 and any(n == "shmbroker.bench" or n.startswith("shmbroker.bench.") for n in
+                         ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]))}
+    assert offenders == {"shmbroker.broker.cli"}
+
+
+def test_everything_imports_through_the_one_name_shmbroker() -> None:
+    """The repo's folders are not import names: an installed wheel has only ``shmbroker``."""
+    offenders = {}
+    for path in [*REPO.glob("*/**/*.py")]:
+        if path.parts[len(REPO.parts)] in (".venv", "build", "shmbroker", "examples"):
+            continue
+        names = {n for node in ast.walk(ast.parse(path.read_text()))
+                 for n in ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                           else [a.name for a in node.names] if isinstance(node, ast.Import) else [])}
+        bare = sorted(n for n in names if n.split(".")[0] in TOP_NAMES)
+        if bare:
+            offenders[str(path.relative_to(REPO))] = bare
+    assert offenders == {}
 
 
 def test_the_command_parser_loads_no_bench_client_or_runtime() -> None:
-    code = ("import sys; from broker import cli; cli.build_parser(); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('bench', 'client', 'onnxruntime', 'torch', 'tensorrt', 'aiohttp')))")
+    code = ("import sys; from shmbroker.broker import cli; cli.build_parser(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('onnxruntime', 'torch', 'tensorrt', 'aiohttp') "
+            "or m.startswith(('shmbroker.bench', 'shmbroker.client'))))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
     assert r.stdout.strip() == "[]", r.stdout
 
 
 def test_the_gpu_engines_load_no_onnxruntime() -> None:
     """A GPU worker's engines share metadata with the ONNX Runtime engine without importing ONNX Runtime."""
-    code = ("import sys; import gpu_worker.engines.meta, gpu_worker.engines.inductor, gpu_worker.engines.tensorrt, "
-            "gpu_worker.engines.torch; print('onnxruntime' in sys.modules)")
+    code = ("import sys; import shmbroker.gpu_worker.engines.meta, shmbroker.gpu_worker.engines.inductor, "
+            "shmbroker.gpu_worker.engines.tensorrt, shmbroker.gpu_worker.engines.torch; "
+            "print('onnxruntime' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
     assert r.stdout.strip() == "False", r.stdout
 
@@ -134,3 +160,13 @@ def test_no_module_under_tests_imports_a_test_module() -> None:
         if deps:
             offenders[name] = sorted(deps)
     assert offenders == {}
+
+
+def test_the_top_package_loads_the_client_only_when_asked() -> None:
+    """`import shmbroker` (as every process does, being the parent of all) costs no client library; the client
+    API is one attribute away."""
+    code = ("import sys, shmbroker; before = 'shmbroker.client' in sys.modules; "
+            "from shmbroker import AsyncClient, Client, WorkerDied; "
+            "print(before, Client.__module__, AsyncClient.__module__, WorkerDied.__module__)")
+    r = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True, timeout=60)
+    assert r.stdout.split() == ["False", "shmbroker.client.client", "shmbroker.client.aio", "shmbroker.client.errors"]

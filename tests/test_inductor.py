@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from broker import config
-from broker.modelbuild import inductor
-from broker.modelbuild.engine import BuilderMissing
-from gpu_worker.engines import EngineError
-from gpu_worker.engines.inductor import FORMAT, _batch_plan, check_package_meta, package_meta
-from gpu_worker.model_source import tiny_model_bytes
+from shmbroker.broker.common import config
+from shmbroker.broker.modelbuild import inductor
+from shmbroker.broker.modelbuild.engine import BuilderMissing
+from shmbroker.gpu_worker.engines import EngineError
+from shmbroker.gpu_worker.engines.inductor import FORMAT, _batch_plan, check_package_meta, package_meta
+from shmbroker.gpu_worker.model_source import tiny_model_bytes
 from tests.conftest import REPO
 
 H200 = {"torch_version": "2.11.0+cu130", "cuda_version": "13.0", "triton_version": "3.6.0",

@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,8 @@ import pytest
 import zmq
 import zmq.auth
 
-from frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REQUEST, MAX_ITEMS_SETTING
-from tests.conftest import REPO, RunningBroker, start_broker
+from shmbroker.frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REQUEST, MAX_ITEMS_SETTING
+from tests.conftest import CLI, REPO, RunningBroker, start_broker
 from tests.frontends import ask_inline, broker_with_gateway, infer_inline, inline_envelope, start_inline, stop_inline
 from tests.models import direct
 
@@ -125,7 +124,7 @@ def test_the_rows_limit_is_announced_and_names_its_setting(tmp_path: Path) -> No
 def test_tcp_needs_curve(gateway: tuple[RunningBroker, list[str]]) -> None:
     b, _ = gateway
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir))
-    r = subprocess.run([sys.executable, "-m", "broker.cli", "inline", "--tcp", "tcp://127.0.0.1:*"], env=env,
+    r = subprocess.run([*CLI, "inline", "--tcp", "tcp://127.0.0.1:*"], env=env,
                        cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2 and "CURVE" in r.stderr
 
@@ -177,7 +176,7 @@ def test_a_second_gateway_on_the_runtime_dir_refuses_to_start(gateway: tuple[Run
     path = b.runtime_dir / "inline.sock"
     before = path.stat().st_ino
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir))
-    r = subprocess.run([sys.executable, "-m", "broker.cli", "inline"], env=env, cwd=REPO, capture_output=True,
+    r = subprocess.run([*CLI, "inline"], env=env, cwd=REPO, capture_output=True,
                        text=True, timeout=60, check=False)
     assert r.returncode == 2, r.stderr
     assert str(path) in r.stderr and "another `shmbroker inline`" in r.stderr and "--runtime-dir" in r.stderr, r.stderr

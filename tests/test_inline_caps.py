@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +14,8 @@ import pytest
 import zmq
 import zmq.utils.monitor
 
-from frontend.inline import INLINE_REQUEST
-from tests.conftest import REPO
+from shmbroker.frontend.inline import INLINE_REQUEST
+from tests.conftest import CLI, REPO
 from tests.frontends import (
     broker_with_gateway,
     flood_a_stalled_worker,
@@ -78,7 +77,7 @@ def test_a_frame_larger_than_max_pending_mib_is_never_received(tmp_path: Path) -
 @pytest.mark.parametrize("value", ["0", "-3", str((1 << 20) + 1)])
 def test_a_bad_max_pending_mib_is_refused_naming_it(tmp_path: Path, value: str) -> None:
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(tmp_path / "run"))
-    r = subprocess.run([sys.executable, "-m", "broker.cli", "inline", "--max-pending-mib", value], env=env, cwd=REPO,
+    r = subprocess.run([*CLI, "inline", "--max-pending-mib", value], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2, r.stderr
     assert f"--max-pending-mib: expected 1 to {1 << 20}, got {value}" in r.stderr and "Traceback" not in r.stderr

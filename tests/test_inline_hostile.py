@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,9 @@ import numpy as np
 import pytest
 import zmq
 
-from broker import protocol as P
-from frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REQUEST
-from tests.conftest import REPO, RunningBroker, start_broker
+from shmbroker.broker.common import protocol as P
+from shmbroker.frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REQUEST
+from tests.conftest import CLI, REPO, RunningBroker, start_broker
 from tests.frontends import (
     TINY_X,
     broker_with_gateway,
@@ -200,7 +199,7 @@ def _curve_keys(tmp: Path, mode: int) -> tuple[bytes, Path]:
 def test_a_curve_secret_key_others_may_read_is_refused(tmp_path: Path, mode: int) -> None:
     _public, key = _curve_keys(tmp_path, mode)
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(tmp_path / "run"))
-    r = subprocess.run([sys.executable, "-m", "broker.cli", "inline", "--tcp", "tcp://127.0.0.1:*",
+    r = subprocess.run([*CLI, "inline", "--tcp", "tcp://127.0.0.1:*",
                         "--curve-secret-file", str(key)], env=env, cwd=REPO, capture_output=True, text=True,
                        timeout=60, check=False)
     assert r.returncode == 2, r.stderr

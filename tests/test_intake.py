@@ -3,7 +3,7 @@ anything is read, and a request that fails gets the status and a message naming 
 sees them in DONE; it says whether its slot was taken, so that the worker frees exactly the slots it took.
 
 Intake is a unit with no process boundary: the session here is a stand-in with the ring's real layout, its
-slot headers and input regions in a bytearray laid out as broker.ring lays out a segment.
+slot headers and input regions in a bytearray laid out as broker.common.ring lays out a segment.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from broker import protocol as P
-from broker.protocol import SlotState
-from broker.ring import RingLayout, pack_offsets
-from gpu_worker.engines.base import IOSpec
-from gpu_worker.intake import ModelView, Rejected, check_slot, check_tensors, input_arrays, out_layout
-from gpu_worker.sessions import WorkerSession
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.protocol import SlotState
+from shmbroker.broker.common.ring import RingLayout, pack_offsets
+from shmbroker.gpu_worker.engines.base import IOSpec
+from shmbroker.gpu_worker.intake import ModelView, Rejected, check_slot, check_tensors, input_arrays, out_layout
+from shmbroker.gpu_worker.sessions import WorkerSession
 
 S = P.Status
 MAX_ITEMS = 4  # the session's rows a request; the model's max_batch (8) is larger
@@ -33,7 +33,7 @@ SLOT, GEN = 1, 5
 
 
 class _Ring:
-    """What intake reads of a session's segment (broker.ring.Segment's ``read_slot`` and ``input_view``)."""
+    """What intake reads of a session's segment (broker.common.ring.Segment's ``read_slot`` and ``input_view``)."""
 
     def __init__(self, layout: RingLayout) -> None:
         self.layout = layout

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import zmq
 
-from broker import protocol as P
-from broker import runtime
-from broker.handout import HandoutError, fetch_ring
-from client import Client, HandshakeError
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common import runtime
+from shmbroker.broker.common.handout import HandoutError, fetch_ring
+from shmbroker.client import Client, HandshakeError
 from tests.conftest import REPO, RunningBroker, start_broker, wait_until
 from tests.rawclient import RawClient
 
@@ -104,7 +104,7 @@ def test_another_user_with_the_token_cannot_get_the_ring(group_broker: RunningBr
     try:
         r = run_as(NOBODY, NOGROUP, """
 from pathlib import Path
-from broker.handout import HandoutError, fetch_ring
+from shmbroker.broker.common.handout import HandoutError, fetch_ring
 def main(rd, sid, token):
     try:
         fetch_ring(Path(rd), int(sid), int(token), 10)
@@ -202,7 +202,7 @@ def test_one_user_at_its_cap_leaves_sessions_for_another() -> None:
             Client(b.runtime_dir)
         r = run_as(NOBODY, NOGROUP, """
 import numpy as np
-from client import Client, HandshakeError
+from shmbroker.client import Client, HandshakeError
 def main(rd):
     with Client(rd) as c:
         print("served", float(np.asarray(c.infer("tiny", np.ones((1, 256), np.float32))).sum()) > 0)
@@ -219,8 +219,8 @@ def main(rd):
 LIAR = """
 import os, time, zmq
 from pathlib import Path
-from broker import protocol as P, runtime
-from broker.handout import fetch_ring
+from shmbroker.broker.common import protocol as P, runtime
+from shmbroker.broker.common.handout import fetch_ring
 def main(rd):
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)

@@ -10,10 +10,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from client import Client, WorkerDied
-from client.client import Outputs
-from client.errors import ShmBrokerError
-from client.receiving import SLOT_ANSWERS
+from shmbroker.client import Client, WorkerDied
+from shmbroker.client.client import Outputs
+from shmbroker.client.errors import ShmBrokerError
+from shmbroker.client.receiving import SLOT_ANSWERS
 from tests.conftest import RunningBroker, arr
 from tests.models import direct
 

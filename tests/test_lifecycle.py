@@ -14,10 +14,10 @@ import numpy as np
 import psutil
 import pytest
 
-from client import Client, WorkerDied
-from gpu_worker import model_source
-from gpu_worker.cuda import available as cuda_available
-from tests.conftest import REPO, arr, start_broker, write_config
+from shmbroker.client import Client, WorkerDied
+from shmbroker.gpu_worker import model_source
+from shmbroker.gpu_worker.cuda import available as cuda_available
+from tests.conftest import CLI, REPO, arr, start_broker, write_config
 from tests.models import direct
 
 X = np.ones((1, 256), np.float32)
@@ -29,7 +29,7 @@ def _ring_path(c: Client) -> str:
 
 
 @pytest.mark.parametrize("mode", ["process", "thread"])
-def test_sigterm_removes_segments_sockets_and_children(tmp_path: Path, mode: str) -> None:
+def test_sigterm_removes_sockets_and_children(tmp_path: Path, mode: str) -> None:
     b = start_broker(tmp_path, mode)
     children = b.worker_pids()
     if mode == "process":
@@ -46,6 +46,7 @@ def test_sigterm_removes_segments_sockets_and_children(tmp_path: Path, mode: str
             c.infer("tiny", X)
     finally:
         c.close()
+        b.stop()  # a no-op once stopped; a failed assertion above must not leave the broker running
 
 
 def test_socket_modes_are_private(process_broker) -> None:
@@ -94,12 +95,12 @@ def test_configured_group_gives_0660(tmp_path: Path) -> None:
 
 def test_health_cli(process_broker, tmp_path: Path) -> None:
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(process_broker.runtime_dir))
-    ok = subprocess.run([sys.executable, "-m", "broker.cli", "health", "--wait", "10"], env=env, cwd=REPO,
+    ok = subprocess.run([*CLI, "health", "--wait", "10"], env=env, cwd=REPO,
                         capture_output=True, text=True, check=False)
     assert ok.returncode == 0, ok.stderr
     assert "nsfw: ready" in ok.stdout and "tiny: ready" in ok.stdout
     env["SHMBROKER_RUNTIME_DIR"] = str(tmp_path / "nobody-here")
-    bad = subprocess.run([sys.executable, "-m", "broker.cli", "health", "--wait", "0.5"], env=env, cwd=REPO,
+    bad = subprocess.run([*CLI, "health", "--wait", "0.5"], env=env, cwd=REPO,
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "no broker serves the runtime directory" in bad.stderr
 
@@ -123,7 +124,7 @@ def test_dead_worker_is_restarted_and_clients_are_told(process_broker) -> None:
 def test_bad_config_is_refused_with_the_key(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.toml"
     cfg.write_text('[models.tiny]\npath = "builtin:tiny"\nmax_batch = "many"\n')
-    r = subprocess.run([sys.executable, "-m", "broker.cli", "serve", "--config", str(cfg)], cwd=REPO,
+    r = subprocess.run([*CLI, "serve", "--config", str(cfg)], cwd=REPO,
                        capture_output=True, text=True, check=False, timeout=60)
     assert r.returncode == 2
     assert "models.tiny.max_batch" in r.stderr and "int" in r.stderr
@@ -135,7 +136,7 @@ def test_a_model_that_fails_at_start_up_stops_serve_with_the_reason(tmp_path: Pa
     runtime_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "broker.toml", "process", models=models)
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(runtime_dir))
-    r = subprocess.run([sys.executable, "-m", "broker.cli", "serve", "--config", str(cfg)], env=env, cwd=REPO,
+    r = subprocess.run([*CLI, "serve", "--config", str(cfg)], env=env, cwd=REPO,
                        capture_output=True, text=True, check=False, timeout=120)
     assert r.returncode == 1, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
@@ -178,7 +179,7 @@ def test_a_gpu_that_is_not_there_stops_serve(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "broker.toml", "process", extra="", models='[worker]\ndevices = [0]\n'
                        '[models.tiny]\npath = "builtin:tiny"\n')
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(tmp_path / "run"))
-    r = subprocess.run([sys.executable, "-m", "broker.cli", "serve", "--config", str(cfg)], env=env, cwd=REPO,
+    r = subprocess.run([*CLI, "serve", "--config", str(cfg)], env=env, cwd=REPO,
                        capture_output=True, text=True, check=False, timeout=120)
     assert r.returncode == 1, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]

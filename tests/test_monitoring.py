@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -26,11 +25,11 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from broker import protocol as P
-from broker.config import ConfigError, parse
-from broker.metrics import worker_families
-from gpu_worker.model_source import tiny_model_bytes
-from tests.conftest import REPO, TEST_MODELS, free_port, start_broker, write_config
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.config import ConfigError, parse
+from shmbroker.broker.ops.metrics import worker_families
+from shmbroker.gpu_worker.model_source import tiny_model_bytes
+from tests.conftest import CLI, REPO, TEST_MODELS, free_port, start_broker, write_config
 
 PROBE_ONCE = "probe_interval_ms = 3000000\nready_max_age_ms = 3600000\n"  # one probe per model, at start
 
@@ -78,7 +77,7 @@ def test_ready_is_503_naming_the_model_while_its_engine_fails_and_200_once_it_re
 
 def _load(runtime_dir: str, model: str, stop: Any, started: Any, q: Any) -> None:
     """A client process: sequential requests until ``stop``; reports how many were answered, by outcome."""
-    from client import Client, ShmBrokerError
+    from shmbroker.client import Client, ShmBrokerError
 
     outcome: Counter[str] = Counter()
     with Client(runtime_dir) as c:
@@ -128,7 +127,7 @@ def test_metrics_count_every_request_and_status_reports_queue_and_throughput(tmp
         during = scrape(port)  # parses while the load runs
         assert value(during, "shmbroker_up") == 1.0
         env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir))
-        r = subprocess.run([sys.executable, "-m", "broker.cli", "status", "--json", "--interval", "1"], env=env,
+        r = subprocess.run([*CLI, "status", "--json", "--interval", "1"], env=env,
                            cwd=REPO, capture_output=True, text=True, check=False, timeout=60)
         assert r.returncode == 0, r.stderr
         snap = json.loads(r.stdout)
@@ -136,7 +135,7 @@ def test_metrics_count_every_request_and_status_reports_queue_and_throughput(tmp
         assert snap["models"]["tiny"]["throughput_rps"] > 0, snap
         assert isinstance(snap["models"]["nsfw"]["queue_depth"], int)
         assert [w["worker_id"] for w in snap["workers"]] == [0] and "queue_depth" in snap["workers"][0]
-        view = subprocess.run([sys.executable, "-m", "broker.cli", "status", "--count", "1", "--interval", "0.3"],
+        view = subprocess.run([*CLI, "status", "--count", "1", "--interval", "0.3"],
                               env=env, cwd=REPO, capture_output=True, text=True, check=False, timeout=60)
         assert view.returncode == 0, view.stderr
         assert "nsfw" in view.stdout and "tiny" in view.stdout and "req/s" in view.stdout
@@ -179,7 +178,7 @@ def test_a_taken_health_port_stops_serve_with_the_key(tmp_path: Path) -> None:
     with socket_bound() as port:
         cfg = write_config(tmp_path / "b.toml", extra="", models=TEST_MODELS + monitoring(port, ""))
         env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(tmp_path / "run"))
-        r = subprocess.run([sys.executable, "-m", "broker.cli", "serve", "--config", str(cfg)], env=env, cwd=REPO,
+        r = subprocess.run([*CLI, "serve", "--config", str(cfg)], env=env, cwd=REPO,
                            capture_output=True, text=True, check=False, timeout=60)
     assert r.returncode == 1
     assert "monitoring.http_port" in r.stderr
@@ -217,7 +216,7 @@ def test_status_json_of_models_with_no_batch_yet_has_only_public_keys(tmp_path: 
     b = start_broker(tmp_path, "process")  # warm-up runs no batch the workers count: no request has come yet
     try:
         env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir))
-        r = subprocess.run([sys.executable, "-m", "broker.cli", "status", "--json", "--interval", "0.2"], env=env,
+        r = subprocess.run([*CLI, "status", "--json", "--interval", "0.2"], env=env,
                            cwd=REPO, capture_output=True, text=True, check=False, timeout=60)
         assert r.returncode == 0, r.stderr
         models = json.loads(r.stdout)["models"]

@@ -9,9 +9,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from broker import protocol as P
-from broker.protocol import SlotState
-from client import Client
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.protocol import SlotState
+from shmbroker.client import Client
 from tests.conftest import RunningBroker, start_broker
 from tests.models import two_io_model
 from tests.rawclient import RawClient

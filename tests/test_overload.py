@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 import pytest
 
-from client import Client
+from shmbroker.client import Client
 from tests.conftest import RunningBroker, start_broker
 from tests.faultload import LoadGroup, LoadSpec, Tally, assert_accounted
 

@@ -1,4 +1,4 @@
-"""broker.peergate: a ZeroMQ ipc socket admits only the uids allowed for its ZAP domain (real sockets)."""
+"""broker.common.peergate: a ZeroMQ ipc socket admits only the uids allowed for its ZAP domain (real sockets)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.utils.monitor
 
-from broker.peergate import PeerGate
+from shmbroker.broker.common.peergate import PeerGate
 
 HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)

@@ -13,8 +13,8 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from broker.modelbuild import convert, precision
-from client import Client
+from shmbroker.broker.modelbuild import convert, precision
+from shmbroker.client import Client
 from tests import photoset
 from tests.conftest import start_broker
 from tests.models import NSFW

@@ -1,4 +1,4 @@
-"""broker.protocol: the envelope, the JSON control messages and the SUBMIT / DONE binary codecs."""
+"""broker.common.protocol: the envelope, the JSON control messages and the SUBMIT / DONE binary codecs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import protocol as P
+from shmbroker.broker.common import protocol as P
 
 # ---------------------------------------------------------------------------------------------------------
 # Control messages

@@ -1,6 +1,6 @@
-"""The data plane's fast encoders write the same bytes as the full ones in broker.protocol, byte for byte: the
+"""The data plane's fast encoders write the same bytes as the full ones in broker.common.protocol, byte for byte: the
 clients' SUBMIT body, the worker's DONE of OK answers (gpu_worker.codec), a slot header as a client posts it
-with its hint (broker.ring) and the SUBMIT the worker makes of that hint (gpu_worker.hints), and the row count
+with its hint (broker.common.ring) and the SUBMIT the worker makes of that hint (gpu_worker.hints), and the row count
 that the worker's intake reads in place from a tensor descriptor."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import protocol as P
-from broker.ring import RingLayout, Segment, segment_name
-from gpu_worker.codec import ModelCodec
-from gpu_worker.engines.base import IOSpec
-from gpu_worker.hints import Watch, hinted_submit
-from gpu_worker.intake import ModelView
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
+from shmbroker.gpu_worker.codec import ModelCodec
+from shmbroker.gpu_worker.engines.base import IOSpec
+from shmbroker.gpu_worker.hints import Watch, hinted_submit
+from shmbroker.gpu_worker.intake import ModelView
 
 u32 = st.integers(0, 2**32 - 1)
 u64 = st.integers(0, 2**64 - 1)

@@ -1,4 +1,4 @@
-"""The test vectors of tests/vectors (PROTOCOL.md §7): broker.protocol encodes each message to the file's bytes,
+"""The test vectors of tests/vectors (PROTOCOL.md §7): broker.common.protocol encodes each message to the file's bytes,
 decodes the file back to the same values, and PROTOCOL.md §7 shows the same bytes as the files."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from broker import protocol as P
+from shmbroker.broker.common import protocol as P
 
 VECTORS = Path(__file__).resolve().parent / "vectors"
 PROTOCOL_MD = VECTORS.parent.parent / "docs" / "PROTOCOL.md"

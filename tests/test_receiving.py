@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from broker import protocol as P
-from client import Client, RequestTimeout, ShmBrokerError
-from client.receiving import IO_SPIN_REACH
+from shmbroker.broker.common import protocol as P
+from shmbroker.client import Client, RequestTimeout, ShmBrokerError
+from shmbroker.client.receiving import IO_SPIN_REACH
 from tests.conftest import RunningBroker
 
 Outcome = tuple[object, ShmBrokerError | None]

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from client import Client, ShmBrokerError
+from shmbroker.client import Client, ShmBrokerError
 from tests.conftest import RunningBroker, arr, start_broker
 
 

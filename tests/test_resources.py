@@ -7,19 +7,45 @@ when it closes; what one session costs in descriptors stays within what systemd/
 from __future__ import annotations
 
 import configparser
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
 import pytest
+import zmq
 
-from broker import protocol as P
-from broker.config import ConfigError, parse
-from broker.runtime import CONTROL_SOCKET, endpoint
-from broker.sessions import FDS_PER_SESSION
-from client import Client, HandshakeError
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.config import ConfigError, parse
+from shmbroker.broker.common.runtime import CONTROL_SOCKET, endpoint
+from shmbroker.broker.serving.sessions import FD_RESERVE, FDS_PER_SESSION
+from shmbroker.client import Client, HandshakeError
 from tests.conftest import REPO, RunningBroker, start_broker, wait_until
+
+
+@contextlib.contextmanager
+def control_dealer(b: RunningBroker) -> Iterator[zmq.Socket[bytes]]:
+    """A raw DEALER on the broker's control socket, as a client that never finishes its handshakes."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.connect(endpoint(b.runtime_dir, CONTROL_SOCKET))
+        yield s
+    finally:
+        ctx.destroy(linger=0)
+
+
+def hellos(s: zmq.Socket[bytes], n: int, slots: int) -> list[Any]:
+    """``n`` HELLOs for ``slots`` slots, one at a time; the broker's answers (SETUP or ERROR)."""
+    replies = []
+    for _ in range(n):
+        s.send_multipart(P.encode(P.Hello(P.PROTOCOL_VERSION, os.getpid(), slots, 0, "flood")))
+        assert s.poll(10_000), "the broker stopped answering"
+        replies.append(P.decode(s.recv_multipart()))
+    return replies
 
 
 def _served(c: Client) -> None:
@@ -57,47 +83,53 @@ def test_ring_bytes_cap_per_uid_names_the_key(tmp_path: Path) -> None:
 
 def test_a_hello_flood_stops_at_the_cap_and_the_broker_keeps_serving(tmp_path: Path) -> None:
     """HELLOs that never finish the handshake hold rings until it times out: the cap bounds them."""
-    import zmq
-
     b = start_broker(tmp_path, "process", sessions="default_slots = 2\nmax_sessions_per_uid = 8\nmax_sessions = 16")
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        s = ctx.socket(zmq.DEALER)
-        s.connect(endpoint(b.runtime_dir, CONTROL_SOCKET))
-        codes = []
-        for _ in range(40):
-            s.send_multipart(P.encode(P.Hello(P.PROTOCOL_VERSION, os.getpid(), 2, 0, "flood")))
-            assert s.poll(10_000)
-            reply = P.decode(s.recv_multipart())
-            codes.append("SETUP" if isinstance(reply, P.Setup) else getattr(reply, "code", type(reply).__name__))
-        assert codes.count("SETUP") == 8 and codes.count("LIMIT") == 32, codes
-        assert b.health().ready
-        assert len(b.segments()) == 8  # the broker holds no ring beyond the cap
+        with control_dealer(b) as s:
+            codes = [r.code if isinstance(r, P.ErrorReply) else type(r).__name__ for r in hellos(s, 40, 2)]
+            assert codes.count("Setup") == 8 and codes.count("LIMIT") == 32, codes
+            assert b.health().ready
+            assert len(b.segments()) == 8  # the broker holds no ring beyond the cap
     finally:
-        ctx.destroy(linger=0)
         assert b.stop() == 0, b.log()
 
 
 def test_a_large_ring_costs_the_broker_no_memory_at_hello(tmp_path: Path) -> None:
     """Creating a ring touches none of its pages on the broker's loop: a 2 GiB HELLO leaves the broker's
     memory as it was, and it keeps answering."""
-    import zmq
-
     b = start_broker(tmp_path, "process", sessions="max_slots = 4096\nmax_ring_mib = 16384\n"
                                                     "max_ring_mib_per_uid = 16384")
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         rss = psutil.Process(b.proc.pid).memory_info().rss
-        s = ctx.socket(zmq.DEALER)
-        s.connect(endpoint(b.runtime_dir, CONTROL_SOCKET))
-        s.send_multipart(P.encode(P.Hello(P.PROTOCOL_VERSION, os.getpid(), 1000, 0, "large")))
-        assert s.poll(30_000)
-        setup = P.decode(s.recv_multipart())
-        assert isinstance(setup, P.Setup) and setup.segment_bytes > 2 << 30, setup
-        assert b.health().ready
-        assert psutil.Process(b.proc.pid).memory_info().rss - rss < 64 << 20
+        with control_dealer(b) as s:
+            (setup,) = hellos(s, 1, 1000)
+            assert isinstance(setup, P.Setup) and setup.segment_bytes > 2 << 30, setup
+            assert b.health().ready
+            assert psutil.Process(b.proc.pid).memory_info().rss - rss < 64 << 20
     finally:
-        ctx.destroy(linger=0)
+        assert b.stop() == 0, b.log()
+
+
+def test_the_open_files_limit_caps_sessions_and_the_broker_keeps_serving(tmp_path: Path) -> None:
+    """Caps above what RLIMIT_NOFILE allows (a unit without LimitNOFILE, say): sessions stop at what the limit
+    leaves room for, refused with LIMIT naming LimitNOFILE, and the broker keeps accepting and serving."""
+    b = start_broker(tmp_path, "process", max_fds=FD_RESERVE + 12 * FDS_PER_SESSION,
+                     sessions="default_slots = 1\nmax_sessions_per_uid = 1000\nmax_sessions = 1000")
+    try:
+        with control_dealer(b) as s:
+            replies = hellos(s, 100, 1)
+            granted = [r for r in replies if isinstance(r, P.Setup)]
+            refused = [r for r in replies if isinstance(r, P.ErrorReply)]
+            assert len(granted) == 12 and len(refused) == 88, replies[:1]
+            assert {r.code for r in refused} == {"LIMIT"} and "LimitNOFILE" in refused[0].message, refused[0]
+            assert b.health().ready  # a new connection is still accepted
+            for setup in granted:
+                s.send_multipart(P.encode(P.Bye(setup.session_id)))
+            wait_until(lambda: not b.segments(), "the flood's sessions are closed")
+        with Client(b.runtime_dir) as c:
+            _served(c)
+        assert "the open-files limit allows 12 sessions" in b.log()
+    finally:
         assert b.stop() == 0, b.log()
 
 

@@ -1,4 +1,4 @@
-"""broker.ring: the layout arithmetic, the span checks and real sealed segments."""
+"""broker.common.ring: the layout arithmetic, the span checks and real sealed segments."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import protocol as P
-from broker import ring as R
-from broker.protocol import SlotState
-from broker.ring import RingError, RingLayout, Segment
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common import ring as R
+from shmbroker.broker.common.protocol import SlotState
+from shmbroker.broker.common.ring import RingError, RingLayout, Segment
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -14,18 +14,18 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from broker import protocol as P
-from broker.peergate import PeerGate
-from broker.ring import RingLayout, Segment, segment_name
-from gpu_worker import model_source
-from gpu_worker.batcher import Batcher
-from gpu_worker.engines import load_engine
-from gpu_worker.engines.base import IOSpec
-from gpu_worker.intake import ModelView
-from gpu_worker.runner import INLINE_BELOW_S, ModelRunner
-from gpu_worker.sessions import WorkerSession
-from gpu_worker.warmup import prime
-from gpu_worker.work import ModelCounters, Work
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.peergate import PeerGate
+from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
+from shmbroker.gpu_worker import model_source
+from shmbroker.gpu_worker.batcher import Batcher
+from shmbroker.gpu_worker.engines import load_engine
+from shmbroker.gpu_worker.engines.base import IOSpec
+from shmbroker.gpu_worker.intake import ModelView
+from shmbroker.gpu_worker.runner import INLINE_BELOW_S, ModelRunner
+from shmbroker.gpu_worker.sessions import WorkerSession
+from shmbroker.gpu_worker.warmup import prime
+from shmbroker.gpu_worker.work import ModelCounters, Work
 
 
 def tiny_runner() -> ModelRunner:

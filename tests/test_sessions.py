@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from broker import protocol as P
-from broker.sessions import session_rows
-from client import BadInput, Client
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.serving.sessions import session_rows
+from shmbroker.client import BadInput, Client
 from tests.conftest import RunningBroker, arr, start_broker
 
 

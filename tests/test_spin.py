@@ -1,8 +1,8 @@
-"""broker.spin: a loop spins after its work only while most events come back within the window."""
+"""broker.common.spin: a loop spins after its work only while most events come back within the window."""
 
 from __future__ import annotations
 
-from broker.spin import SpinPolicy
+from shmbroker.broker.common.spin import SpinPolicy
 
 US = 1000
 

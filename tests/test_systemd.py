@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from broker import protocol as P
-from broker.ask import ask_broker
-from broker.notify import Notifier
-from tests.conftest import REPO, free_port, write_config
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.ask import ask_broker
+from shmbroker.broker.ops.notify import Notifier
+from tests.conftest import CLI, REPO, free_port, write_config
 
 WATCHDOG_USEC = 400_000  # pings expected every 0.2 s
 SO_PASSCRED = getattr(socket, "SO_PASSCRED", 16)
@@ -72,7 +72,7 @@ def test_ready_after_warmup_watchdog_at_rate_and_stopping_on_sigterm(tmp_path: P
                        extra=f"[monitoring]\nhttp_port = {port}\nprobe_interval_ms = 1000\n")
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(runtime_dir), NOTIFY_SOCKET=str(tmp_path / "notify.sock"),
                WATCHDOG_USEC=str(WATCHDOG_USEC))
-    proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "serve", "--config", str(cfg)], env=env, cwd=REPO,
+    proc = subprocess.Popen([*CLI, "serve", "--config", str(cfg)], env=env, cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         before: list[dict[str, str]] = []

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client import Client, WorkerDied
+from shmbroker.client import Client, WorkerDied
 from tests.conftest import RunningBroker, arr, run_client_processes, start_broker
 from tests.models import direct
 

@@ -1,6 +1,6 @@
 """gpu_worker.worker against its broker, with this test in the broker's place: a real worker process
-(``python -m gpu_worker.process``, as the broker starts it, the config as JSON on its stdin) and a ROUTER on the
-runtime directory's workers socket, over real ZeroMQ.
+(``python -m shmbroker.gpu_worker.process``, as the broker starts it, the config as JSON on its stdin) and a
+ROUTER on the runtime directory's workers socket, over real ZeroMQ.
 
 What the broker, and through it a user, sees of a worker: it says HELLO, then READY with its data endpoint and
 the models it loaded (health and the clients' SETUP come from that), or WORKER_FAILED with the reason (the
@@ -28,9 +28,9 @@ import msgspec
 import pytest
 import zmq
 
-from broker import protocol as P
-from broker import runtime
-from broker.config import Config, parse
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common import runtime
+from shmbroker.broker.common.config import Config, parse
 from tests.conftest import REPO, process_gone
 
 M = TypeVar("M", bound=msgspec.Struct)
@@ -78,7 +78,7 @@ class FakeBroker:
 
 
 def _worker_command(runtime_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "gpu_worker.process", "--worker-id", "0", "--runtime-dir", str(runtime_dir)]
+    return [sys.executable, "-m", "shmbroker.gpu_worker.process", "--worker-id", "0", "--runtime-dir", str(runtime_dir)]
 
 
 def start_worker(runtime_dir: Path, cfg: Config, log_path: Path) -> subprocess.Popen[bytes]:

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker import protocol as P
-from broker.protocol import SlotState
-from client import Client, Overloaded
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.protocol import SlotState
+from shmbroker.client import Client, Overloaded
 from tests.conftest import HINT_MODELS, RunningBroker, arr, start_broker
 from tests.models import direct
 from tests.rawclient import RawClient

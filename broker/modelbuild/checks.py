@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from broker.modelbuild import calibration, convert, precision
-from broker.modelbuild.calibration import Data, DataError
-from broker.modelbuild.progress import bar
-from gpu_worker.engines.base import EngineError
+from shmbroker.broker.modelbuild import calibration, convert, precision
+from shmbroker.broker.modelbuild.calibration import Data, DataError
+from shmbroker.broker.modelbuild.progress import bar
+from shmbroker.gpu_worker.engines.base import EngineError
 
 log = logging.getLogger(__name__)
 

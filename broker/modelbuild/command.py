@@ -16,11 +16,11 @@ from typing import Any
 
 from rich.progress import Progress
 
-from broker.modelbuild import calibration, convert, engine, inductor
-from broker.modelbuild.calibration import DataError
-from broker.modelbuild.checks import check_converted, parse_profiles, row_digests
-from broker.modelbuild.progress import bar, stages, stderr
-from gpu_worker.engines.base import EngineError
+from shmbroker.broker.modelbuild import calibration, convert, engine, inductor
+from shmbroker.broker.modelbuild.calibration import DataError
+from shmbroker.broker.modelbuild.checks import check_converted, parse_profiles, row_digests
+from shmbroker.broker.modelbuild.progress import bar, stages, stderr
+from shmbroker.gpu_worker.engines.base import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def _build_engine(args: argparse.Namespace, out: Path, model: str, options: engi
             progress.update(task, completed=step)
 
         version, capability, gpu = engine.build_plan(trt, model, str(plan), options, advance)
-    from gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
+    from shmbroker.gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
 
     ort_model = OnnxRuntimeEngine(model, intra_op_threads=1)
     io = {k: [{"name": s.name, "dtype": s.dtype.name, "shape": list(s.shape)} for s in specs]

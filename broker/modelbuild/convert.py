@@ -18,8 +18,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from broker.modelbuild.args import CALIB_METHODS
-from broker.modelbuild.calibration import Data, batches
+from shmbroker.broker.modelbuild.args import CALIB_METHODS
+from shmbroker.broker.modelbuild.calibration import Data, batches
 
 log = logging.getLogger(__name__)
 

@@ -152,8 +152,8 @@ def build_plan(trt: Any, onnx_path: str, plan_path: str, options: BuildOptions,
     Returns (TensorRT version, compute capability, GPU name) for the sidecar. BuildError carries TensorRT's
     parser errors or logged reasons; the timing cache file, when given, is written back after the build.
     """
-    from gpu_worker import cuda
-    from gpu_worker.engines.tensorrt import shared_logger
+    from shmbroker.gpu_worker import cuda
+    from shmbroker.gpu_worker.engines.tensorrt import shared_logger
 
     try:
         gpu, capability = cuda.device_name(0), cuda.compute_capability(0)

@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from broker.modelbuild.engine import BuilderMissing, BuildError
+from shmbroker.broker.modelbuild.engine import BuilderMissing, BuildError
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def import_compiler(cache_dir: str) -> Any:
 def _wrapped(torch: Any, module: Any, inputs: list[Any], outputs: list[Any], fp16: bool) -> Any:
     """The module behind casts: it takes and returns the ONNX model's dtypes and computes in half precision
     when ``fp16``, so the casts compile into the first and last kernels."""
-    from gpu_worker.engines.graphed import torch_dtype
+    from shmbroker.gpu_worker.engines.graphed import torch_dtype
 
     feed = [torch.float16 if fp16 and s.dtype.kind == "f" else torch_dtype(s.dtype) for s in inputs]
     back = [torch_dtype(s.dtype) for s in outputs]
@@ -97,7 +97,7 @@ def _wrapped(torch: Any, module: Any, inputs: list[Any], outputs: list[Any], fp1
 
 
 def _examples(torch: Any, inputs: list[Any], rows: int) -> tuple[Any, ...]:
-    from gpu_worker.engines.graphed import torch_dtype
+    from shmbroker.gpu_worker.engines.graphed import torch_dtype
 
     def one(spec: Any) -> Any:
         dtype = torch_dtype(spec.dtype)
@@ -138,8 +138,8 @@ def build_package(onnx_path: str, out: Path, options: InductorOptions, stage: St
     torch = import_compiler(options.cache_dir)
     from torch._inductor.package import package_aoti
 
-    from gpu_worker.engines.inductor import package_meta, runtime_facts
-    from gpu_worker.engines.torch import load_onnx
+    from shmbroker.gpu_worker.engines.inductor import package_meta, runtime_facts
+    from shmbroker.gpu_worker.engines.torch import load_onnx
 
     fp16 = options.precision == "fp16"
     # fp32 means fp32: TF32 off as the engine runs it (inductor bakes the setting into its matmul kernels)

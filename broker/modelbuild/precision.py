@@ -15,8 +15,8 @@ from typing import TypeAlias
 import numpy as np
 import onnxruntime as ort
 
-from broker.modelbuild.calibration import Data, batches, rows
-from gpu_worker.engines import Engine, load_engine
+from shmbroker.broker.modelbuild.calibration import Data, batches, rows
+from shmbroker.gpu_worker.engines import Engine, load_engine
 
 log = logging.getLogger(__name__)
 

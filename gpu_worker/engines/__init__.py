@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpu_worker.engines.base import DeviceContext, DeviceEngine, Engine, EngineError, IOSpec, is_device_engine
+from shmbroker.gpu_worker.engines.base import DeviceContext, DeviceEngine, Engine, EngineError, IOSpec, is_device_engine
 
 GPU_ENGINES = ("torch", "inductor", "tensorrt")
 
@@ -40,20 +40,20 @@ def load_engine(
     or the plan's first optimization profile at load. A missing package gives an EngineError naming what to install.
     """
     if kind == "onnxruntime":
-        from gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
+        from shmbroker.gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
 
         return OnnxRuntimeEngine(source, intra_op_threads=intra_op_threads)
     ordinal = parse_device(device, kind)
     if kind == "torch" and ordinal is not None:
-        from gpu_worker.engines.torch import TorchEngine
+        from shmbroker.gpu_worker.engines.torch import TorchEngine
 
         return TorchEngine(source, device=ordinal, fp16=fp16, cuda_graphs=cuda_graphs)
     if kind == "inductor" and ordinal is not None:
-        from gpu_worker.engines.inductor import InductorEngine
+        from shmbroker.gpu_worker.engines.inductor import InductorEngine
 
         return InductorEngine(source, device=ordinal, max_batch=max_batch, cuda_graphs=cuda_graphs)
     if kind == "tensorrt" and ordinal is not None:
-        from gpu_worker.engines.tensorrt import TensorRTEngine
+        from shmbroker.gpu_worker.engines.tensorrt import TensorRTEngine
 
         return TensorRTEngine(source, device=ordinal, max_batch=max_batch)
     raise EngineError(f"unknown engine {kind!r}: expected one of 'onnxruntime', 'torch', 'inductor', 'tensorrt'")

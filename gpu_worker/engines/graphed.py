@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gpu_worker.engines.base import EngineError, IOSpec
+from shmbroker.gpu_worker.engines.base import EngineError, IOSpec
 
 log = logging.getLogger(__name__)
 

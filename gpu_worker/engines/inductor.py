@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from gpu_worker.engines.base import EngineError
-from gpu_worker.engines.graphed import Body, GraphedContext, as_list, graph_ladder, torch_dtype, torch_module
-from gpu_worker.engines.meta import read_sidecar, specs_from_json
+from shmbroker.gpu_worker.engines.base import EngineError
+from shmbroker.gpu_worker.engines.graphed import Body, GraphedContext, as_list, graph_ladder, torch_dtype, torch_module
+from shmbroker.gpu_worker.engines.meta import read_sidecar, specs_from_json
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from gpu_worker.engines.base import EngineError, IOSpec
+from shmbroker.gpu_worker.engines.base import EngineError, IOSpec
 
 # ONNX tensor types as ONNX Runtime names them, and the NumPy dtypes that carry them
 ONNX_TYPES: dict[str, np.dtype[Any]] = {

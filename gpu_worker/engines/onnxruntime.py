@@ -7,8 +7,8 @@ import logging
 import numpy as np
 import onnxruntime as ort
 
-from gpu_worker.engines.base import EngineError
-from gpu_worker.engines.meta import spec_of
+from shmbroker.gpu_worker.engines.base import EngineError
+from shmbroker.gpu_worker.engines.meta import spec_of
 
 log = logging.getLogger(__name__)
 

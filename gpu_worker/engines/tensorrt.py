@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from gpu_worker import cuda
-from gpu_worker.engines.base import EngineError, IOSpec
-from gpu_worker.engines.meta import read_sidecar, spec_from_dims, specs_from_json
+from shmbroker.gpu_worker import cuda
+from shmbroker.gpu_worker.engines.base import EngineError, IOSpec
+from shmbroker.gpu_worker.engines.meta import read_sidecar, spec_from_dims, specs_from_json
 
 log = logging.getLogger(__name__)
 

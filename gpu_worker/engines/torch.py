@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from gpu_worker.engines.base import EngineError, IOSpec
-from gpu_worker.engines.graphed import Body, GraphedContext, as_list, graph_ladder, torch_dtype, torch_module
-from gpu_worker.engines.meta import read_sidecar, spec_from_dims, specs_from_json
+from shmbroker.gpu_worker.engines.base import EngineError, IOSpec
+from shmbroker.gpu_worker.engines.graphed import Body, GraphedContext, as_list, graph_ladder, torch_dtype, torch_module
+from shmbroker.gpu_worker.engines.meta import read_sidecar, spec_from_dims, specs_from_json
 
 log = logging.getLogger(__name__)
 

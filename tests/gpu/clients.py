@@ -34,9 +34,9 @@ def checked_client(seed: int, runtime_dir: str, tols: dict[str, float], q: Any) 
     in flight, every result checked here, in the child."""
     import onnxruntime as ort
 
-    from client import Client
-    from client.client import Outputs
-    from gpu_worker.model_source import resolve
+    from shmbroker.client import Client
+    from shmbroker.client.client import Outputs
+    from shmbroker.gpu_worker.model_source import resolve
     from tests.gpu.photos import real_photos
 
     opts = ort.SessionOptions()

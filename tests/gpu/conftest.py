@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpu_worker import cuda
+from shmbroker.gpu_worker import cuda
 
 requires_cuda = pytest.mark.skipif(not cuda.available(), reason="no CUDA device or no cuda-python")
 

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import importlib.resources
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 
-from gpu_worker import cuda
-from tests.conftest import REPO, start_broker
+from shmbroker.gpu_worker import cuda
+from tests.conftest import CLI, REPO, start_broker
 
 pytestmark = pytest.mark.skipif(not cuda.available(), reason="needs a CUDA device and cuda-python")
 
@@ -25,11 +24,11 @@ def test_build_says_the_builder_is_missing_and_torch_serves_its_fp16_model(tmp_p
     pytest.importorskip("torch")
     pytest.importorskip("onnx2torch")
     pytest.importorskip("onnxconverter_common")
-    from client import Client
+    from shmbroker.client import Client
     from tests import photoset
 
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "broker.cli", "build", NSFW, "-o", str(out), "--precision", "fp16"],
+    r = subprocess.run([*CLI, "build", NSFW, "-o", str(out), "--precision", "fp16"],
                        cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     print(r.stderr.strip().splitlines()[-2:])
     assert r.returncode == 3, r.stderr  # 3: no builder, the ONNX model written and checked

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from gpu_worker import cuda
+from shmbroker.gpu_worker import cuda
 from tests.gpu.conftest import requires_cuda
 
 pytestmark = requires_cuda

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpu_worker import cuda
-from gpu_worker.engines import EngineError, is_device_engine, load_engine
-from gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
-from gpu_worker.model_source import tiny_model_bytes
+from shmbroker.gpu_worker import cuda
+from shmbroker.gpu_worker.engines import EngineError, is_device_engine, load_engine
+from shmbroker.gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
+from shmbroker.gpu_worker.model_source import tiny_model_bytes
 from tests.gpu.conftest import nsfw_path, requires_cuda
 
 torch = pytest.importorskip("torch")
@@ -135,7 +135,7 @@ def test_constant_reshapes_are_folded():
     import onnx
     from onnx2torch import convert
 
-    from gpu_worker.engines.torch import fold_constant_reshapes
+    from shmbroker.gpu_worker.engines.torch import fold_constant_reshapes
 
     module = convert(onnx.load(nsfw_path()))
     assert fold_constant_reshapes(module) == (2, 0)

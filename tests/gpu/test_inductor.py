@@ -8,15 +8,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from gpu_worker import cuda
-from tests.conftest import REPO, RunningBroker, run_client_processes, start_broker
+from shmbroker.gpu_worker import cuda
+from tests.conftest import CLI, REPO, RunningBroker, run_client_processes, start_broker
 from tests.gpu.clients import CLIENTS, NSFW, REQUESTS, checked_client
 
 pytestmark = pytest.mark.skipif(not cuda.available(), reason="needs a CUDA device and cuda-python")
@@ -29,10 +28,10 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Built once per module with inductor's default kernel choices (max-autotune takes minutes a bucket)."""
     pytest.importorskip("torch")
     pytest.importorskip("onnx2torch")
-    from gpu_worker.model_source import resolve
+    from shmbroker.gpu_worker.model_source import resolve
 
     tmp = tmp_path_factory.mktemp("inductor")
-    cmd = [sys.executable, "-m", "broker.cli", "build", str(resolve(NSFW)), "-o", str(tmp / "out"), "--engine",
+    cmd = [*CLI, "build", str(resolve(NSFW)), "-o", str(tmp / "out"), "--engine",
            "inductor", "--precision", "fp16", "--batch-sizes", "8,1", "--autotune", "default",
            "--cache-dir", str(tmp / "cache")]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
@@ -84,12 +83,12 @@ def test_eight_clients_get_their_own_results_from_the_package(inductor_broker: R
 
 
 def test_check_precision_runs_the_package_on_real_photographs(package: Path, tmp_path: Path) -> None:
-    from gpu_worker.model_source import resolve
+    from shmbroker.gpu_worker.model_source import resolve
     from tests import photoset
 
     _, eval_names = photoset.split()
     np.save(tmp_path / "eval.npy", photoset.nsfw_rows(eval_names, 48, seed=11))
-    cmd = [sys.executable, "-m", "broker.cli", "check-precision", str(resolve(NSFW)), str(package),
+    cmd = [*CLI, "check-precision", str(resolve(NSFW)), str(package),
            "--eval-data", str(tmp_path / "eval.npy"), "--seconds", "0.5", "--json"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -103,7 +102,7 @@ def test_check_precision_runs_the_package_on_real_photographs(package: Path, tmp
 @pytest.mark.parametrize(("field", "theirs"), [("torch_version", "2.10.0+cu128"), ("compute_capability", "8.0")])
 def test_a_package_built_elsewhere_is_refused_naming_both_sides(package: Path, tmp_path: Path, field: str,
                                                                 theirs: str) -> None:
-    from gpu_worker.engines import EngineError, load_engine
+    from shmbroker.gpu_worker.engines import EngineError, load_engine
 
     copy = tmp_path / package.name
     shutil.copyfile(package, copy)
@@ -119,8 +118,8 @@ def test_a_package_built_elsewhere_is_refused_naming_both_sides(package: Path, t
 def test_a_slot_replays_one_graph_per_bucket_and_pads_rows(package: Path) -> None:
     import onnxruntime as ort
 
-    from gpu_worker.engines import load_engine
-    from gpu_worker.model_source import resolve
+    from shmbroker.gpu_worker.engines import load_engine
+    from shmbroker.gpu_worker.model_source import resolve
 
     engine = load_engine("inductor", str(package), device="0", max_batch=8)
     stream = cuda.Stream()

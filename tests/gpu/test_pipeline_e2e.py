@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_worker import cuda
+from shmbroker.gpu_worker import cuda
 from tests.conftest import RunningBroker, run_client_processes, start_broker
 from tests.gpu.clients import CLIENTS, NSFW, REQUESTS, checked_client
 from tests.models import W, two_io_model
@@ -61,7 +61,7 @@ def test_eight_clients_get_their_own_results_in_fp32_and_fp16(gpu_broker: Runnin
 
 
 def test_two_inputs_two_outputs_through_the_pipeline(gpu_broker: RunningBroker) -> None:
-    from client import Client
+    from shmbroker.client import Client
 
     rng = np.random.default_rng(5)
     with Client(str(gpu_broker.runtime_dir), slots=8, max_items=8) as c:

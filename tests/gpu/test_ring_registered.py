@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import zmq
 
-from broker import protocol as P
-from broker.peergate import PeerGate
-from broker.ring import RingLayout, Segment, segment_name
-from gpu_worker import cuda
-from gpu_worker.sessions import WorkerSession
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.peergate import PeerGate
+from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
+from shmbroker.gpu_worker import cuda
+from shmbroker.gpu_worker.sessions import WorkerSession
 
 pytestmark = pytest.mark.skipif(not cuda.available(), reason="needs a CUDA device and cuda-python")
 

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpu_worker import cuda
-from gpu_worker.engines import EngineError, load_engine
-from gpu_worker.engines.tensorrt import import_tensorrt
+from shmbroker.gpu_worker import cuda
+from shmbroker.gpu_worker.engines import EngineError, load_engine
+from shmbroker.gpu_worker.engines.tensorrt import import_tensorrt
 from tests.gpu.conftest import requires_cuda
 
 try:

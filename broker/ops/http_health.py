@@ -4,11 +4,11 @@ stdlib ``http.server`` on ``monitoring.http_host`` (loopback by default): a few 
 probe and a scraper need no framework. Each request runs on its own short-lived thread.
 
 - ``/health/live``: 200 while the serving loop turns (else 503).
-- ``/health/ready``: 200 when every model is ready (see ``broker.ops.Operations.readiness``), else 503 with
+- ``/health/ready``: 200 when every model is ready (see ``broker.ops.operations.Operations.readiness``), else 503 with
   ``{"ready": false, "models": {"NAME": "why not", ...}}`` naming the models that are not ready.
   ``?wait=SECONDS`` answers as soon as it is ready, or after that long (as ``shmbroker health --wait``).
 - ``/health/ready/MODEL``: the same for one model; 404 for a model that is not configured.
-- ``/metrics``: the Prometheus text format (``broker.metrics``).
+- ``/metrics``: the Prometheus text format (``broker.ops.metrics``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 if TYPE_CHECKING:
-    from broker.ops import Readiness
+    from shmbroker.broker.ops.operations import Readiness
 
 log = logging.getLogger(__name__)
 

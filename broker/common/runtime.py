@@ -16,7 +16,7 @@ ENV_VAR = "SHMBROKER_RUNTIME_DIR"
 SYSTEM_DIR = Path("/run/shmbroker")
 CONTROL_SOCKET = "broker.sock"
 WORKERS_SOCKET = "workers.sock"
-RINGS_SOCKET = "rings.sock"  # the ring handout (broker.handout)
+RINGS_SOCKET = "rings.sock"  # the ring handout (broker.common.handout)
 LOCK_FILE = "broker.lock"
 INSTANCE_FILE = "broker.instance"
 

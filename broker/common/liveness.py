@@ -17,7 +17,7 @@ import fcntl
 
 import psutil
 
-from broker.ring import Segment
+from shmbroker.broker.common.ring import Segment
 
 
 def hold(segment: Segment) -> None:

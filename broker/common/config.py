@@ -6,13 +6,15 @@ import grp
 import os
 import re
 import tomllib
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
+# package data (shmbroker.configs), so a wheel carries it as a checkout does
+DEFAULT_CONFIG = Path(str(resources.files("shmbroker.configs").joinpath("default.toml"))).resolve()
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 Ms = Annotated[int, Meta(ge=1, le=3_600_000)]

@@ -14,9 +14,9 @@ from typing import Any
 
 import psutil
 
-from broker import protocol as P
-from broker.ask import ask_broker
-from broker.gpu_info import gpu_samples
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.ask import ask_broker
+from shmbroker.broker.ops.gpu_info import gpu_samples
 
 ASK_TIMEOUT_S = 5.0
 QUANTILES = (0.5, 0.9, 0.99)
@@ -127,7 +127,7 @@ def _sum(x: P.StageHistogram, y: P.StageHistogram) -> P.StageHistogram:
 
 
 def _percentiles(h: P.StageHistogram) -> dict[str, float | None]:
-    from gpu_worker.histogram import quantile
+    from shmbroker.gpu_worker.histogram import quantile
 
     return {f"p{round(q * 100)}": quantile(h, q) for q in QUANTILES}
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import zmq
 
-from broker import protocol as P
-from broker import runtime
-from broker.ring import Segment
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common import runtime
+from shmbroker.broker.common.ring import Segment
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import weakref
 
 import zmq
 
-from broker.handout import peer_of_address
+from shmbroker.broker.common.handout import peer_of_address
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import msgspec
 import msgspec.inspect
 import numpy as np
 
-from broker.config import SessionsSection
+from shmbroker.broker.common.config import SessionsSection
 
 PROTOCOL_VERSION = 2
 MAX_DIMS = 8
@@ -340,7 +340,7 @@ class Attach(msgspec.Struct, frozen=True):
     in_capacity: int
     out_capacity: int
     max_items: int
-    client_uid: int  # the only user, besides the worker's own, whose connection to the reply socket is admitted
+    client_uid: int  # the only user whose connection to the session's reply socket the worker admits
 
 
 class AttachOk(msgspec.Struct, frozen=True):
@@ -507,7 +507,7 @@ def _ceiling(config: type[msgspec.Struct], name: str) -> int:
     raise TypeError(f"{config.__name__}.{name} declares no upper bound")
 
 
-# A ring's most slots: the ceiling of sessions.max_slots (broker/config.py), which every session is within.
+# A ring's most slots: the ceiling of sessions.max_slots (broker/common/config.py), which every session is within.
 MAX_SLOTS = _ceiling(SessionsSection, "max_slots")
 # A SUBMIT carries an entry per request in flight, so one per slot, and the late entries of requests a worker
 # took from their hints and answered before the client's coalesced SUBMIT left (PROTOCOL 4.2), a few at most:

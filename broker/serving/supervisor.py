@@ -15,8 +15,8 @@ from typing import Protocol
 
 import msgspec
 
-from broker import protocol as P
-from broker.config import Config
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _exit_code(launch: Launch) -> str:
 
 class ProcessLaunch:
     def __init__(self, cfg: Config, worker_id: int, runtime_dir: Path, restarts: int) -> None:
-        cmd = [sys.executable, "-m", "gpu_worker.process", "--worker-id", str(worker_id),
+        cmd = [sys.executable, "-m", "shmbroker.gpu_worker.process", "--worker-id", str(worker_id),
                "--runtime-dir", str(runtime_dir), "--restarts", str(restarts)]
         self._p = subprocess.Popen(cmd, stdin=subprocess.PIPE)
         # the validated config travels as JSON on stdin: the worker sees exactly what the broker checked
@@ -97,7 +97,7 @@ class ThreadLaunch:
     """In-process mode: the same Worker logic in a thread of the broker (tests, single-process embedding)."""
 
     def __init__(self, cfg: Config, worker_id: int, runtime_dir: Path, restarts: int) -> None:
-        from gpu_worker.worker import Worker
+        from shmbroker.gpu_worker.worker import Worker
 
         self._stop = threading.Event()
         worker = Worker(cfg, worker_id, runtime_dir, restarts)

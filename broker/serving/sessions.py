@@ -1,7 +1,7 @@
 """The broker's session table: sizing and creating rings, and each session's handshake state.
 
 A session moves SETUP_SENT -> ATTACHING -> READY -> CLOSING -> gone. Its segment is a sealed memfd that the
-broker hands to the session's client and workers only (broker.handout); the table counts sessions and ring
+broker hands to the session's client and workers only (broker.common.handout); the table counts sessions and ring
 bytes per uid and in all against the [sessions] caps.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import resource
 import secrets
 from collections import Counter
 from dataclasses import dataclass, field
@@ -17,10 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import psutil
 
-from broker import protocol as P
-from broker.config import Config
-from broker.handout import Grantable, Peer
-from broker.ring import RingLayout, Segment, pack_offsets, segment_name
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.config import Config
+from shmbroker.broker.common.handout import Grantable, Peer
+from shmbroker.broker.common.ring import RingLayout, Segment, pack_offsets, segment_name
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 # connections, the worker's reply socket (listening and connected) and spare. systemd/shmbroker.service's
 # LimitNOFILE is sized from it; tests/test_resources.py measures it.
 FDS_PER_SESSION = 8
+FD_RESERVE = 64  # descriptors of a broker or worker with no session: sockets, the ZeroMQ context, logs, models
 
 
 class SessionError(Exception):
@@ -59,7 +61,7 @@ class BrokerSession:
     pending_attach: set[int] = field(default_factory=set)
     pending_detach: set[int] = field(default_factory=set)
     reply_endpoints: dict[int, str] = field(default_factory=dict)
-    by_lock: bool = False  # liveness by the client's segment lock (broker.liveness), else by its pid
+    by_lock: bool = False  # liveness by the client's segment lock (broker.common.liveness), else by its pid
     counted: bool = True  # against the caps: until it starts closing
 
     def setup(self, models: list[P.ModelInfo], timeout_ms: int) -> P.Setup:
@@ -100,19 +102,37 @@ def capacities(models: list[P.ModelInfo], max_items: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Caps:
-    """The [sessions] caps in effect, in sessions and bytes."""
+    """The [sessions] caps in effect, in sessions and bytes; ``fd_bound``: the open-files limit, not
+    ``max_sessions``, bounds the sessions."""
 
     sessions: int
     sessions_per_uid: int
     ring_bytes: int
     ring_bytes_per_uid: int
+    fd_bound: bool = False
 
     @classmethod
     def of(cls, cfg: Config) -> Caps:
         sc = cfg.sessions
         total = (sc.max_ring_mib << 20) or psutil.virtual_memory().total // 2
         per_uid = (sc.max_ring_mib_per_uid << 20) or total // 2
-        return cls(sc.max_sessions, sc.max_sessions_per_uid, total, min(per_uid, total))
+        by_fds = sessions_within_fd_limit()
+        sessions = min(sc.max_sessions, by_fds)
+        if sessions < sc.max_sessions:
+            log.warning("the open-files limit allows %d sessions, below sessions.max_sessions (%d): raise "
+                        "LimitNOFILE (ulimit -n) to %d", sessions, sc.max_sessions,
+                        FD_RESERVE + FDS_PER_SESSION * sc.max_sessions)
+        return cls(sessions, min(sc.max_sessions_per_uid, sessions), total, min(per_uid, total),
+                   fd_bound=sessions < sc.max_sessions)
+
+
+def sessions_within_fd_limit() -> int:
+    """How many sessions this process's RLIMIT_NOFILE leaves room for, after FD_RESERVE for everything else:
+    past it a new connection could not even be accepted."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    return max(1, (soft - FD_RESERVE) // FDS_PER_SESSION)
 
 
 class SessionTable:
@@ -129,7 +149,7 @@ class SessionTable:
         self._bytes = 0
 
     def grantable(self, session_id: int, token: int) -> Grantable | None:
-        """The handout's view of a live session with this token (broker.handout)."""
+        """The handout's view of a live session with this token (broker.common.handout)."""
         s = self.by_id.get(session_id)
         if s is None or s.token != token or s.phase is Phase.CLOSING:
             return None
@@ -174,8 +194,8 @@ class SessionTable:
         caps, mib = self.caps, 1 << 20
         held = sum(self._sessions_of.values())
         if held >= caps.sessions:
-            raise SessionError("LIMIT", f"the broker holds {held} sessions, its cap "
-                                        "(sessions.max_sessions); try again later")
+            key = "the open-files limit: raise LimitNOFILE" if caps.fd_bound else "sessions.max_sessions"
+            raise SessionError("LIMIT", f"the broker holds {held} sessions, its cap ({key}); try again later")
         if self._sessions_of[uid] >= caps.sessions_per_uid:
             raise SessionError("LIMIT", f"uid {uid} holds {self._sessions_of[uid]} sessions, the cap per user "
                                         "(sessions.max_sessions_per_uid); close some first")

@@ -10,8 +10,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from broker import protocol as P
-from broker import runtime
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common import runtime
 
 _ctx: zmq.Context[zmq.Socket[bytes]] | None = None
 _ctx_pid = 0

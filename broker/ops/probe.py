@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from client import Client, ShmBrokerError
+from shmbroker.client import Client, ShmBrokerError
 
 log = logging.getLogger(__name__)
 

@@ -19,15 +19,15 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from broker import liveness, ring, runtime
-from broker import protocol as P
-from broker.config import Config
-from broker.handout import Peer, RingHandout, peer_of_frame
-from broker.health import health_reply
-from broker.notify import Notifier
-from broker.ops import Operations
-from broker.sessions import BrokerSession, Phase, SessionError, SessionTable
-from broker.supervisor import Supervisor, WorkerPhase, WorkerSlot
+from shmbroker.broker.common import liveness, ring, runtime
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.config import Config
+from shmbroker.broker.common.handout import Peer, RingHandout, peer_of_frame
+from shmbroker.broker.ops.notify import Notifier
+from shmbroker.broker.ops.operations import Operations
+from shmbroker.broker.serving.health import health_reply
+from shmbroker.broker.serving.sessions import BrokerSession, Phase, SessionError, SessionTable
+from shmbroker.broker.serving.supervisor import Supervisor, WorkerPhase, WorkerSlot
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Broker:
     def serve(self, stop: threading.Event, on_ready: threading.Event | None = None) -> None:
         """Run until ``stop`` is set; then shut down cleanly (workers stopped, segments and sockets removed).
 
-        ``broker.ops`` rides on each turn: systemd READY/WATCHDOG/STATUS, probes, the HTTP server."""
+        ``broker.ops.operations`` rides on each turn: systemd READY/WATCHDOG/STATUS, probes, the HTTP server."""
         try:
             ops = Operations(self.cfg, self.runtime_dir, self._notifier)
         except OSError as exc:  # the health port is taken: nothing was started yet

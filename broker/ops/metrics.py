@@ -23,11 +23,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from broker import protocol as P
-from broker.ask import ask_broker
-from broker.config import Config
-from broker.gpu_info import gpu_samples
-from broker.probe import Prober
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.ask import ask_broker
+from shmbroker.broker.common.config import Config
+from shmbroker.broker.ops.gpu_info import gpu_samples
+from shmbroker.broker.ops.probe import Prober
 
 log = logging.getLogger(__name__)
 

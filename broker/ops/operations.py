@@ -14,13 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker import protocol as P
-from broker.ask import ask_broker
-from broker.config import Config
-from broker.http_health import HealthServer
-from broker.metrics import build_registry
-from broker.notify import Notifier
-from broker.probe import Prober
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.ask import ask_broker
+from shmbroker.broker.common.config import Config
+from shmbroker.broker.ops.http_health import HealthServer
+from shmbroker.broker.ops.metrics import build_registry
+from shmbroker.broker.ops.notify import Notifier
+from shmbroker.broker.ops.probe import Prober
 
 log = logging.getLogger(__name__)
 

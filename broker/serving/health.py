@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from broker import protocol as P
-from broker.config import Config
-from broker.supervisor import Supervisor, WorkerPhase
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.config import Config
+from shmbroker.broker.serving.supervisor import Supervisor, WorkerPhase
 
 
 def health_reply(cfg: Config, sup: Supervisor) -> P.HealthReply:

@@ -11,7 +11,7 @@ a reader reads the state word first.
 
 A segment has no name in any file system: the broker creates it with ``memfd_create``, seals its size
 (``F_SEAL_SHRINK | F_SEAL_GROW``), and hands a descriptor to the session's client and workers only
-(broker.handout). Nobody can shrink it under another process's mapping (no SIGBUS), and the kernel frees it
+(broker.common.handout). Nobody can shrink it under another process's mapping (no SIGBUS), and the kernel frees it
 when the last descriptor and mapping go.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from broker.protocol import (
+from shmbroker.broker.common.protocol import (
     HINT_AT,
     HINT_CAPACITY,
     HINT_RECORD_AT,
@@ -154,7 +154,7 @@ class Segment:
         # protocol's.)
         self._words = self.buf.cast("I")
         self.nbytes = size
-        self.fd = fd  # open until the mapping goes; the client's liveness lock lives on it (broker.liveness)
+        self.fd = fd  # open until the mapping goes; the client's liveness lock lives on it (broker.common.liveness)
         self.address = _base_address(self._mm)  # for cudaHostRegister and DMA; valid until close()
         self._finalizer = weakref.finalize(self, _close_mapping, self._mm, fd)
 
@@ -200,7 +200,7 @@ class Segment:
 
     def duplicate(self) -> int:
         """A new descriptor of this segment with an open file description of its own, for another process:
-        its liveness lock must not be this one's (broker.liveness). The caller closes it."""
+        its liveness lock must not be this one's (broker.common.liveness). The caller closes it."""
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
 
     def _verify_header(self) -> None:

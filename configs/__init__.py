@@ -1,0 +1,1 @@
+"""The default configuration, shipped in the package as ``default.toml`` (broker.common.config reads it)."""
