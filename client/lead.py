@@ -4,6 +4,20 @@ A caller blocked in ``infer()`` would otherwise sleep until the IO thread wakes 
 request, each of which makes the code after it run two to three times slower on small and virtual
 machines. Instead the caller takes the receive role, polls the reply sockets itself (spinning briefly
 when recent answers came quickly) and completes every DONE that arrives meanwhile, its own included.
+
+The role's states (``ReceiveRole``: ``lock`` held by whoever polls the reply sockets; ``parked``; ``wanted``):
+
+    state                lock holder             parked  receives             leaves it when
+    IO thread receiving  IO thread, per poll     False   the IO thread        a caller leads (parks it)
+    leader               a caller in infer()     True    that caller, for     its answer came, its deadline
+                         or Request.run()                every request        passed, or a change is wanted
+    parked, idle         nobody                  True    nobody (none in      a request is sent (unpark) or
+                                                         flight)              a caller leads
+    link change wanted   the changer, once the   either  nobody, briefly      the new pollers are made
+                         holder let go                                        (``exclusive``)
+
+A leader whose answer came hands the role back to the IO thread (unparks and wakes it) only while other
+requests are in flight; with none, the role stays parked, so the next ``infer()`` leads without a wake-up.
 """
 
 from __future__ import annotations

@@ -105,6 +105,9 @@ class Link:
         self.info = info
         self.worker_id = info.worker_id
         self.models = set(info.models)
+        # requests sent on this link and not yet answered: a routing hint for the least-outstanding choice,
+        # approximate by design (sending threads add and the receiving thread subtracts without a lock; a
+        # lost update only skews one choice, never a request)
         self.outstanding = 0
         self.up = False
         self.send_lock = threading.Lock()
