@@ -1,4 +1,4 @@
-"""Fixtures that start real brokers (real processes, /dev/shm, ZeroMQ) on a private runtime directory."""
+"""Fixtures that start real brokers (real processes, shared memory, ZeroMQ) on a private runtime directory."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Processes die (bench/RESULTS.md#reliability, items 1-3): a worker, a client, the broker. Real processes,
-/dev/shm and ZeroMQ.
+shared memory and ZeroMQ.
 
 What a user sees is counted: every request submitted ends as a right result or an error with a code;
 none hangs and none gets another request's result.

@@ -2,9 +2,9 @@
 
 Four client processes offer ``tiny`` requests in open loop at 80 % of the closed-loop capacity measured
 first, while a fifth opens and closes a session every 0.2 s. Sampled every 10 s: RSS and open file
-descriptors of the broker and its worker, and this broker's segments in /dev/shm. Pass: RSS grows less than
-5 % from the first sample after warm-up to the end, descriptors stay flat, no segment is left beyond the
-live sessions during the run and none at all after shutdown; every request is accounted for.
+descriptors of the broker and its worker, and the rings they hold. Pass: RSS grows less than 5 % from the
+first sample after warm-up to the end, descriptors stay flat, no ring is held beyond the live sessions during
+the run and none once every client has left; every request is accounted for.
 
 ``SHMB_SOAK_S`` shortens the run (default 600 s) for a trial.
 """

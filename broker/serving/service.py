@@ -75,7 +75,6 @@ class Broker:
         self.handout = RingHandout(self.runtime_dir / runtime.RINGS_SOCKET, cfg.file_mode, cfg.group_id(),
                                    self.sessions.grantable, cfg.broker.handshake_timeout_ms / 1e3)
         self._closed = False
-        self._fatal = ""  # a start-up check failed (e.g. /dev/shm too small): serve() stops and raises it
 
     def _janitor(self) -> None:
         """Remove the socket files a dead broker left in this runtime dir (we hold the lock: it is dead). Its
@@ -117,7 +116,7 @@ class Broker:
         handout_fds: set[int] = set()
         last_liveness = time.monotonic()
         try:
-            while not stop.is_set() and not self._fatal:
+            while not stop.is_set():
                 handout_fds = self._poll_handout(poller, handout_fds)
                 events = dict(poller.poll(POLL_MS))  # (1)
                 now = time.monotonic()
@@ -140,8 +139,6 @@ class Broker:
         finally:
             ops.stopping()
             self.close()
-        if self._fatal:
-            raise RuntimeError(self._fatal)
 
     def _poll_handout(self, poller: zmq.Poller, registered: set[int]) -> set[int]:
         """Keep the poller's set of handout descriptors equal to the handout's; returns the new set."""
