@@ -8,7 +8,12 @@ device), ``shmbroker.client``, ``shmbroker.frontend`` (HTTP and inline front-end
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from typing import TYPE_CHECKING, Any
+
+# another `shmbroker` on sys.path (an installed wheel) serves what this folder lacks: a copy of the checkout
+# whose links to the role folders were not kept
+__path__ = pkgutil.extend_path(__path__, __name__)
 
 from shmbroker.broker import __version__ as __version__
 
