@@ -141,6 +141,18 @@ class RunningBroker:
             raise AssertionError("no stats reply")
         return reply
 
+    @contextlib.contextmanager
+    def workers_stopped(self) -> Iterator[None]:
+        """SIGSTOP every worker for the span of a ``with`` (nothing is answered meanwhile); SIGCONT after."""
+        pids = self.worker_pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+
     def worker_pids(self) -> list[int]:
         return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
 

@@ -9,7 +9,6 @@ import contextlib
 import http.client
 import os
 import re
-import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -179,16 +178,10 @@ def flood_a_stalled_worker(b: RunningBroker, sock: zmq.Socket[bytes], n: int, he
     the rest are answered OVERLOADED at once naming ``option``; once the workers go on, the held ones are
     answered OK, each once, and the gateway serves on."""
     assert next_is_only(sock, n + 900)["status"] == "OK"  # linked and warm
-    workers = b.worker_pids()
-    for pid in workers:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with b.workers_stopped():
         for rid in range(1, n + 1):
             sock.send_multipart(tiny_request(rid, timeout_us=120_000_000, x=x))  # held until the worker goes on
         refused = inline_replies(sock, n - held)
-    finally:
-        for pid in workers:
-            os.kill(pid, signal.SIGCONT)
     assert sorted(h["id"] for h in refused) == list(range(held + 1, n + 1)), [h["id"] for h in refused]
     assert {h["status"] for h in refused} == {"OVERLOADED"}
     assert option in refused[0]["message"], refused[0]

@@ -7,7 +7,6 @@ its parent's client. Closing with requests in flight: tests/test_client_lifecycl
 from __future__ import annotations
 
 import os
-import signal
 import threading
 from collections.abc import Callable, Iterator
 
@@ -94,15 +93,9 @@ def test_a_callback_that_needs_a_slot_while_all_are_in_flight_is_told_overloaded
 def test_a_cancelled_future_gives_its_slot_back_when_its_answer_comes(live: RunningBroker) -> None:
     with Client(live.runtime_dir, slots=1) as c:
         c.infer("tiny", X)  # linked and warm
-        workers = live.worker_pids()
-        for pid in workers:
-            os.kill(pid, signal.SIGSTOP)  # no answer before the cancel
-        try:
+        with live.workers_stopped():  # no answer before the cancel
             fut = c.submit("tiny", X)
             assert fut.cancel()
-        finally:
-            for pid in workers:
-                os.kill(pid, signal.SIGCONT)
         np.testing.assert_allclose(arr(c.infer("tiny", X, timeout=30)), direct("tiny", X), rtol=0, atol=1e-5)
         assert fut.cancelled()
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import threading
 
 import numpy as np
@@ -33,10 +31,7 @@ def test_leaving_the_with_block_lets_callbacks_get_their_answers(process_broker:
 def test_requests_unanswered_when_the_wait_ends_fail_with_client_closed(process_broker: RunningBroker) -> None:
     c = Client(process_broker.runtime_dir)
     c.infer("tiny", X)  # the worker is linked and warm
-    pids = process_broker.worker_pids()
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)  # nothing is answered while the client closes
-    try:
+    with process_broker.workers_stopped():  # nothing is answered while the client closes
         fut = c.submit("tiny", X)
         c.close(timeout=0.2)
         with pytest.raises(ClientClosed, match="closed before the answer came") as e:
@@ -44,9 +39,6 @@ def test_requests_unanswered_when_the_wait_ends_fail_with_client_closed(process_
         assert e.value.code == "CLIENT_CLOSED" and not isinstance(e.value, WorkerDied)
         with pytest.raises(ClientClosed, match="the client is closed"):
             c.submit("tiny", X)
-    finally:
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
 
 
 def test_closing_from_a_callback_does_not_wait_for_itself(process_broker: RunningBroker) -> None:

@@ -172,19 +172,13 @@ def test_overload_is_503_and_the_rest_succeed(front: Front) -> None:
     """
     c = front.client(concurrency=24)
     x = np.random.default_rng(3).random((1, 224, 224, 3), dtype=np.float32)
-    workers = front.broker.worker_pids()
-    for pid in workers:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with front.broker.workers_stopped():
         handles = [c.async_infer("nsfw", [_input("input:0", x, True)]) for _ in range(24)]
         deadline = time.monotonic() + 30
         posted = 0
         while posted < 24 and time.monotonic() < deadline:
             gevent.sleep(0.005)  # the HTTP requests go out on gevent's loop: yield to it while polling the rings
             posted = front.broker.submitted_slots()
-    finally:
-        for pid in workers:
-            os.kill(pid, signal.SIGCONT)
     assert posted == 24, f"{posted} of 24 requests were posted in the front-end's rings within 30 s"
     statuses: list[int] = []
     for h in handles:

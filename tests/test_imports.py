@@ -94,20 +94,24 @@ def test_production_modules_import_without_cycles() -> None:
     assert _cycles(_graph()) == []
 
 
-def test_production_code_never_imports_bench() -> None:
-    offenders = {m for m, path in _modules().items() for node in ast.walk(ast.parse(path.read_text()))
-                 if isinstance(node, ast.Import | ast.ImportFrom)
-                 and any(n == "bench" or n.startswith("bench.") for n in
-                         ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]))}
-    assert offenders == set()
+def _absolute_imports(path: Path) -> set[str]:
+    """The modules a file names in ``import X`` and ``from X import ...`` (relative imports left out)."""
+    return {n for node in ast.walk(ast.parse(path.read_text()))
+            for n in ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                      else [a.name for a in node.names] if isinstance(node, ast.Import) else [])}
+
+
+def _python(code: str, cwd: Path = REPO) -> str:
+    """What a fresh interpreter prints for ``code``."""
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True,
+                          timeout=60).stdout.strip()
 
 
 def test_only_the_cli_imports_bench_and_only_inside_the_bench_command() -> None:
-    """`shmbroker bench` is the one door from production code into bench, opened when that command runs."""
-    offenders = {m for m, path in _modules().items() for node in ast.walk(ast.parse(path.read_text()))
-                 if isinstance(node, ast.Import | ast.ImportFrom)
-                 and any(n == "shmbroker.bench" or n.startswith("shmbroker.bench.") for n in
-                         ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]))}
+    """`shmbroker bench` is the one door from production code into bench, opened when that command runs
+    (a bare ``bench`` import is refused by the next test, like every folder name)."""
+    offenders = {m for m, path in _modules().items()
+                 if any(n == "shmbroker.bench" or n.startswith("shmbroker.bench.") for n in _absolute_imports(path))}
     assert offenders == {"shmbroker.broker.cli"}
 
 
@@ -117,10 +121,7 @@ def test_everything_imports_through_the_one_name_shmbroker() -> None:
     for path in [*REPO.glob("*/**/*.py")]:
         if path.parts[len(REPO.parts)] in (".venv", "build", "shmbroker", "examples"):
             continue
-        names = {n for node in ast.walk(ast.parse(path.read_text()))
-                 for n in ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
-                           else [a.name for a in node.names] if isinstance(node, ast.Import) else [])}
-        bare = sorted(n for n in names if n.split(".")[0] in TOP_NAMES)
+        bare = sorted(n for n in _absolute_imports(path) if n.split(".")[0] in TOP_NAMES)
         if bare:
             offenders[str(path.relative_to(REPO))] = bare
     assert offenders == {}
@@ -130,8 +131,7 @@ def test_the_command_parser_loads_no_bench_client_or_runtime() -> None:
     code = ("import sys; from shmbroker.broker import cli; cli.build_parser(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('onnxruntime', 'torch', 'tensorrt', 'aiohttp') "
             "or m.startswith(('shmbroker.bench', 'shmbroker.client'))))")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
-    assert r.stdout.strip() == "[]", r.stdout
+    assert _python(code) == "[]"
 
 
 def test_the_gpu_engines_load_no_onnxruntime() -> None:
@@ -139,8 +139,7 @@ def test_the_gpu_engines_load_no_onnxruntime() -> None:
     code = ("import sys; import shmbroker.gpu_worker.engines.meta, shmbroker.gpu_worker.engines.inductor, "
             "shmbroker.gpu_worker.engines.tensorrt, shmbroker.gpu_worker.engines.torch; "
             "print('onnxruntime' in sys.modules)")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
-    assert r.stdout.strip() == "False", r.stdout
+    assert _python(code) == "False"
 
 
 def test_no_module_under_tests_imports_a_test_module() -> None:
@@ -168,5 +167,5 @@ def test_the_top_package_loads_the_client_only_when_asked() -> None:
     code = ("import sys, shmbroker; before = 'shmbroker.client' in sys.modules; "
             "from shmbroker import AsyncClient, Client, WorkerDied; "
             "print(before, Client.__module__, AsyncClient.__module__, WorkerDied.__module__)")
-    r = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True, timeout=60)
-    assert r.stdout.split() == ["False", "shmbroker.client.client", "shmbroker.client.aio", "shmbroker.client.errors"]
+    assert _python(code, cwd=Path("/")).split() == ["False", "shmbroker.client.client", "shmbroker.client.aio",
+                                                    "shmbroker.client.errors"]

@@ -137,16 +137,10 @@ def test_requests_whose_wait_ends_while_the_worker_is_stopped_are_answered_timeo
     b, endpoints, _log = gateway
     with inline_dealer(endpoints[0]) as sock:
         assert next_is_only(sock, 2000)["status"] == "OK"
-        workers = b.worker_pids()
-        for pid in workers:
-            os.kill(pid, signal.SIGSTOP)
-        try:
+        with b.workers_stopped():
             for rid in range(1, 41):
                 sock.send_multipart(tiny_request(rid, timeout_us=300_000))
             heads = inline_replies(sock, 40, 30_000)
-        finally:
-            for pid in workers:
-                os.kill(pid, signal.SIGCONT)
         assert sorted(h["id"] for h in heads) == list(range(1, 41))
         assert {h["status"] for h in heads} == {"TIMEOUT"}, heads[:3]
         assert {"slot" in h["message"] for h in heads} == {True, False}  # waiting for a slot, and in one

@@ -10,16 +10,13 @@ import numpy as np
 import pytest
 
 from shmbroker.client import Client, ShmBrokerError
-from tests.conftest import RunningBroker, arr, start_broker
+from tests.conftest import RunningBroker, arr, running_broker
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
-    b = start_broker(tmp_path_factory.mktemp("request"))
-    try:
+    with running_broker(tmp_path_factory.mktemp("request")) as b:
         yield b
-    finally:
-        assert b.stop() == 0, b.log()
 
 
 def tiny_ref(c: Client, x: np.ndarray) -> np.ndarray:

@@ -321,21 +321,26 @@ def held_rings(pids: list[int], instance: str) -> dict[str, str]:
             except OSError:
                 continue
             if link.startswith(prefix):
-                found.setdefault(link.removeprefix("/memfd:").removesuffix(" (deleted)"), f"/proc/{pid}/fd/{fd}")
+                found.setdefault(_memfd_link_name(link), f"/proc/{pid}/fd/{fd}")
         try:
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
                     at = line.find(prefix)
                     if at >= 0:
-                        found.setdefault(line[at:].strip().removeprefix("/memfd:").removesuffix(" (deleted)"), "")
+                        found.setdefault(_memfd_link_name(line[at:].strip()), "")
         except OSError:
             continue
     return found
 
 
 def _memfd_name(fd: int) -> str:
-    """The name the creator gave a memfd (``/proc/self/fd`` shows ``/memfd:NAME (deleted)``)."""
-    return os.readlink(f"/proc/self/fd/{fd}").removeprefix("/memfd:").removesuffix(" (deleted)")
+    """The name the creator gave the memfd ``fd``."""
+    return _memfd_link_name(os.readlink(f"/proc/self/fd/{fd}"))
+
+
+def _memfd_link_name(link: str) -> str:
+    """A memfd's name from how /proc shows it (``/memfd:NAME (deleted)``)."""
+    return link.removeprefix("/memfd:").removesuffix(" (deleted)")
 
 
 def _base_address(mm: mmap.mmap) -> int:
