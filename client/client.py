@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TypeVar
 
 import numpy as np
@@ -39,6 +39,7 @@ from shmbroker.client.errors import (
     WorkerDied,
     from_status,
 )
+from shmbroker.client.future import ClientFuture
 from shmbroker.client.hintwait import HintWait
 from shmbroker.client.lead import ReceiveRole
 from shmbroker.client.lifecycle import Lifecycle
@@ -47,6 +48,7 @@ from shmbroker.client.rejoin import RETRY_S, Rejoin
 from shmbroker.client.request import Request
 from shmbroker.client.session import (
     GRACE_S,
+    Cork,
     Link,
     ModelPlan,
     SlotViews,
@@ -63,12 +65,7 @@ Outputs = np.ndarray | dict[str, np.ndarray]
 Callback = Callable[[Outputs | None, ShmBrokerError | None], object]
 T = TypeVar("T")
 SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
-
-
-class _Cork(threading.local):
-    """Per thread: ``on`` while that thread's submits are held back to leave together in one SUBMIT."""
-
-    on = False
+LEAD_HORIZON_S = 3600.0  # a Future's result() without a timeout leads this long at a time, then waits as usual
 
 
 class Client(Receiving, Lifecycle):
@@ -120,7 +117,7 @@ class Client(Receiving, Lifecycle):
         self._slot_cond = threading.Condition()
         self._slot_waiters = 0
         self._ids = itertools.count(1)
-        self._cork = _Cork()
+        self._cork = Cork()
         self._stop = threading.Event()
         self._open = True  # False once close() began
         self._drained: threading.Event | None = None
@@ -130,7 +127,7 @@ class Client(Receiving, Lifecycle):
         self._wake_tx = self._ctx.socket(zmq.PAIR)
         self._wake_tx.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
-        self._role = ReceiveRole(self._wake, spin_us)
+        self._role = ReceiveRole(self._wake, spin_us, IO_SPIN_REACH)
         self._io_spin = SpinPolicy(spin_us * 1000, reach=IO_SPIN_REACH)
         self._spin_ns = spin_us * 1000
         self._hint_wait = HintWait(self.segment, self._spin_ns)
@@ -183,13 +180,34 @@ class Client(Receiving, Lifecycle):
                                  "DEADLOCK")
 
     def submit(self, model: str, inputs: Inputs, timeout: float | None = None) -> Future[Outputs]:
-        """Queue one request; the Future holds the output or a ShmBrokerError."""
+        """Queue one request; the Future holds the output or a ShmBrokerError.
+
+        Its ``result()`` receives answers on the waiting thread (client.future). On a thread that waits on its
+        Futures, the SUBMIT is queued and leaves with that thread's next wait, together with the others queued
+        meanwhile, or at the IO thread's next look (client.lead, WATCH_MS), whichever comes first.
+        """
         plan, slot, views = self._fill(model, inputs, timeout)
-        fut: Future[Outputs] = Future()
-        if self._role.parked:  # a Future is completed by the IO thread (or by a thread waiting in infer)
-            self._role.unpark()
-        self._send(slot, plan, views, timeout, functools.partial(self._resolve, fut, plan, slot, views), True)
+        fut: ClientFuture[Outputs] = ClientFuture(self._await_future)
+        on_done = functools.partial(self._resolve, fut, plan, slot, views)
+        role = self._role
+        self._send(slot, plan, views, timeout, on_done, True, defer=role.led_last())
+        # after the send: an IO thread that starts to doze from now on sees this request (client.lead)
+        if role.parked and role.dozing and not role.leading():
+            self.flush()
+            role.unpark()
         return fut
+
+    def _await_future(self, fut: Future[T], timeout: float | None) -> float | None:
+        """A ClientFuture's wait: send the queued SUBMITs, then receive on this thread until ``fut`` is done or
+        ``timeout`` passes (client.lead); returns the timeout left."""
+        self.flush()
+        if fut.done():
+            return timeout
+        self._check_may_wait()
+        until = time.monotonic() + (LEAD_HORIZON_S if timeout is None else max(0.0, timeout))
+        self._role.lead(fut, until, self._snapshot_links, self._drain_done, lambda: bool(self._pending),
+                        linger=True)
+        return None if timeout is None else max(0.0, until - time.monotonic())
 
     def call(self, model: str, inputs: Inputs, callback: Callback, timeout: float | None = None) -> None:
         """Queue one request; ``callback(outputs, error)`` runs when it is answered, on the client's IO thread
@@ -203,6 +221,16 @@ class Client(Receiving, Lifecycle):
             self._role.unpark()
         # a partial, not a lambda: completing the request then runs one Python frame fewer
         self._send(slot, plan, views, timeout, functools.partial(self._deliver, callback, plan, slot, views), True)
+
+    def corked(self) -> contextlib.AbstractContextManager[None]:
+        """``with client.corked():`` SUBMITs made by this thread inside the block are queued, not sent:
+        ``flush()`` (or this thread's next wait for an answer) sends them together, one message per worker."""
+        return self._cork
+
+    def flush(self) -> None:
+        """Send every queued SUBMIT now."""
+        for link in self._snapshot_links():
+            self._flush(link)
 
     def _fill(self, model: str, inputs: Inputs, timeout: float | None) -> tuple[ModelPlan, int, SlotViews]:
         """Check the inputs, take a slot and copy them into it: (plan, slot, the slot's views)."""
@@ -299,9 +327,11 @@ class Client(Receiving, Lifecycle):
                 self._slot_cond.notify()
 
     def _send(self, slot: int, plan: ModelPlan, views: SlotViews, timeout: float | None,
-              on_done: Callable[[P.Result | ShmBrokerError], None], release: bool, hint_wait: bool = False) -> None:
+              on_done: Callable[[P.Result | ShmBrokerError], None], release: bool, hint_wait: bool = False,
+              defer: bool = False) -> None:
         """Publish the request in its slot and send its SUBMIT (coalesced); ``hint_wait`` (a caller about to
-        block for the answer): no SUBMIT if a spinning worker takes the request from its hint (client.hintwait)."""
+        block for the answer): no SUBMIT if a spinning worker takes the request from its hint (client.hintwait);
+        ``defer``: queue the SUBMIT, as ``corked()`` does."""
         link = self._choose(plan)
         if link is None or views.segment is not self.segment:
             if release:
@@ -325,7 +355,7 @@ class Client(Receiving, Lifecycle):
         if hint_wait and hinted and self._hint_wait.taken(slot):
             return  # the worker admitted it from the slot header and expects no SUBMIT (PROTOCOL 4.2)
         link.queue.append((rid, slot, gen, plan.info.model_id, n_t, timeout_us, lay.in_descs))
-        if not self._cork.on:
+        if not (defer or self._cork.on):
             self._flush(link)
 
     def _choose(self, plan: ModelPlan) -> Link | None:
@@ -366,10 +396,6 @@ class Client(Receiving, Lifecycle):
             finally:
                 link.send_lock.release()
 
-    def _flush_all(self) -> None:
-        for link in self._snapshot_links():
-            self._flush(link)
-
     def _snapshot_links(self) -> tuple[Link, ...]:
         return self._link_list  # replaced whole (under _links_lock) whenever a link comes or goes
 
@@ -378,6 +404,11 @@ class Client(Receiving, Lifecycle):
             self._link_list = tuple(self._links.values())
 
     # -- the broker's restarts (IO thread; client.rejoin) ----------------------------------------------------------
+    @property
+    def slots(self) -> int:
+        """Requests this client may have in flight at once (its ring's slots)."""
+        return len(self._gens)
+
     @property
     def connected(self) -> bool:
         """Whether the client has a session: False from the broker's loss until a new session is taken."""
@@ -486,12 +517,13 @@ class Client(Receiving, Lifecycle):
                  r: P.Result | ShmBrokerError) -> None:
         """Complete the Future once the slot is free (so the Future's callbacks find a free slot)."""
         value, error = self._outcome(plan, slot, views, r)
-        if not fut.set_running_or_notify_cancel():
-            return  # the caller cancelled (asyncio.wait_for, say)
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)  # type: ignore[arg-type]
+        try:
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(value)  # type: ignore[arg-type]
+        except InvalidStateError:  # the caller cancelled it (asyncio.wait_for, say): tell concurrent.futures.wait
+            fut.set_running_or_notify_cancel()
 
     def _deliver(self, callback: Callback, plan: ModelPlan, slot: int, views: SlotViews,
                  r: P.Result | ShmBrokerError) -> None:

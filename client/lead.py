@@ -9,15 +9,24 @@ The role's states (``ReceiveRole``: ``lock`` held by whoever polls the reply soc
 
     state                lock holder             parked  receives             leaves it when
     IO thread receiving  IO thread, per poll     False   the IO thread        a caller leads (parks it)
-    leader               a caller in infer()     True    that caller, for     its answer came, its deadline
-                         or Request.run()                every request        passed, or a change is wanted
+    leader               a caller in infer(),    True    that caller, for     its answer came, its deadline
+                         Request.run() or a              every request        passed, or a change is wanted
+                         Future's result()
+    watched              nobody                  True    nobody; the IO       a caller leads again, or none
+                                                         thread looks every   did within WATCH_S (the IO
+                                                         WATCH_MS             thread takes the role back)
     parked, idle         nobody                  True    nobody (none in      a request is sent (unpark) or
                                                          flight)              a caller leads
     link change wanted   the changer, once the   either  nobody, briefly      the new pollers are made
                          holder let go                                        (``exclusive``)
 
-A leader whose answer came hands the role back to the IO thread (unparks and wakes it) only while other
-requests are in flight; with none, the role stays parked, so the next ``infer()`` leads without a wake-up.
+A leader in ``infer()`` whose answer came hands the role back to the IO thread (unparks and wakes it) only
+while other requests are in flight; with none, the role stays parked, so the next ``infer()`` leads without a
+wake-up. A leader in a Future's ``result()`` leaves the role watched instead: a thread that waits on Futures
+comes back for the next one within microseconds, and its ``submit()`` calls meanwhile queue their SUBMITs
+(client.client), which its next wait sends together, as callbacks' do. The IO thread, parked, sleeps
+WATCH_MS while requests that no leader waits for are in flight (``dozing`` otherwise); it sends queued
+SUBMITs at each look, and takes the role back once no caller has led for WATCH_S.
 """
 
 from __future__ import annotations
@@ -36,6 +45,12 @@ from shmbroker.broker.common.spin import SpinPolicy
 from shmbroker.client.session import Link
 
 POLL_SLICE_MS = 10  # a leader checks this often whether the IO thread needs the sockets back
+# How often a parked IO thread looks while requests that no leader waits for are in flight, and how long after
+# a Future's waiter left the role it takes the role back: a Futures loop comes back far sooner, and a Future
+# nobody waits on through result() is answered this much later at most (bench/RESULTS.md#client-apis).
+WATCH_MS = 10
+WATCH_S = 0.002
+DOZE_MS = 100  # a parked IO thread with nothing to watch: only broker notices and wake-ups end its sleep
 
 
 class ReceiveRole:
@@ -46,13 +61,19 @@ class ReceiveRole:
     (``exclusive``) make a leader let go within one poll slice.
     """
 
-    def __init__(self, wake: Callable[[], None], spin_us: int) -> None:
+    def __init__(self, wake: Callable[[], None], spin_us: int, io_reach: int) -> None:
         self.lock = threading.Lock()
         self.parked = False
         self.wanted = False
+        # the parked IO thread sleeps DOZE_MS: whoever leaves requests for it to receive must wake it
+        self.dozing = False
+        self.watch_until = 0.0  # monotonic: the IO thread leaves a watched role parked until then
+        self._last_leader = 0  # threading.get_ident() of the thread that led last
         self._wake = wake
-        # a led wait spins only while most answers came back within the window (the IO thread's policy)
+        # a led wait spins only while most answers came back within the window (broker.common.spin); a
+        # Future's waiter takes over the IO thread's stream of answers, so it spins by the IO thread's reach
         self._spin = SpinPolicy(spin_us * 1000)
+        self._stream_spin = SpinPolicy(spin_us * 1000, reach=io_reach)
         self._local = threading.local()
         self._poller: tuple[tuple[Link, ...], zmq.Poller, dict[Any, Link]] | None = None
 
@@ -63,6 +84,26 @@ class ReceiveRole:
     def io_may_receive(self) -> bool:
         """For the IO thread: take the lock for one poll of the reply sockets, unless a caller holds the role."""
         return not self.parked and self.lock.acquire(blocking=False)
+
+    def led_last(self) -> bool:
+        """True on the thread that led last while the role is still parked for it (watched or led)."""
+        return self.parked and self._last_leader == threading.get_ident()
+
+    def parked_sleep_ms(self, unwaited: bool) -> int:
+        """For the parked IO thread, before it sleeps: WATCH_MS while ``unwaited`` (requests in flight that no
+        leader waits for, or SUBMITs queued), else DOZE_MS with ``dozing`` set (reset by ``woke``)."""
+        self.dozing = True  # first: a leader or sender that reads False after this knows the IO thread will look
+        if unwaited:
+            self.dozing = False
+            return WATCH_MS
+        return DOZE_MS
+
+    def woke(self, now: float, unwaited: bool) -> None:
+        """For the parked IO thread, after its sleep: take the role back if requests need receiving and no
+        caller leads or has led within WATCH_S."""
+        self.dozing = False
+        if unwaited and now >= self.watch_until and not self.lock.locked():
+            self.parked = False
 
     def unpark(self) -> None:
         """Hand receiving back to the IO thread (futures and callbacks wait on it)."""
@@ -84,31 +125,41 @@ class ReceiveRole:
 
     def lead(self, fut: Future[Any], until: float, links: Callable[[], tuple[Link, ...]],
              drain: Callable[[Link], None], others_pending: Callable[[], bool],
-             peek: Callable[[], bool] | None = None) -> None:
+             peek: Callable[[], bool] | None = None, linger: bool = False) -> None:
         """Receive on this thread until ``fut`` is done, ``until`` (monotonic) passes, or links change.
 
         While spinning, ``peek()`` also looks for the answer in the slot header and completes it from there
         (True), ahead of its DONE message. Returns without a result in the last two cases; the caller then
-        waits on ``fut`` as usual, and the IO thread, unparked, receives what is left.
+        waits on ``fut`` as usual, and the IO thread, unparked, receives what is left. ``linger`` (a
+        Future's waiter): once ``fut`` is done the role is left watched, not handed back.
         """
         self.parked = True
+        self._last_leader = threading.get_ident()
         if not self.lock.acquire(blocking=False):
             self._wake()  # the IO thread is polling: it lets go after this turn
             if not self.lock.acquire(timeout=max(0.0, until - time.monotonic())):
                 self.unpark()
                 return
         self._local.on = True
-        self._spin.waiting(time.perf_counter_ns())
+        spin = self._stream_spin if linger else self._spin
+        spin.waiting(time.perf_counter_ns())
         try:
-            self._receive(fut, until, links, drain, self._spin.until, peek)
+            self._receive(fut, until, links, drain, spin.until, peek)
         finally:
             self._local.on = False
             self.lock.release()
             if fut.done():
-                self._spin.arrived(time.perf_counter_ns())
-            if not fut.done() or others_pending():
-                self.parked = False
-                self._wake()
+                spin.arrived(time.perf_counter_ns())
+            self._leave(fut.done(), others_pending, linger)
+
+    def _leave(self, answered: bool, others_pending: Callable[[], bool], linger: bool) -> None:
+        if answered and linger:
+            self.watch_until = time.monotonic() + WATCH_S
+            if self.dozing and others_pending():
+                self._wake()  # it looks from now on (parked_sleep_ms), and takes the role back after WATCH_S
+        elif not answered or others_pending():
+            self.parked = False
+            self._wake()
 
     def _receive(self, fut: Future[Any], until: float, links: Callable[[], tuple[Link, ...]],
                  drain: Callable[[Link], None], spin_end: int, peek: Callable[[], bool] | None) -> None:

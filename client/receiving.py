@@ -26,7 +26,7 @@ from shmbroker.broker.common.spin import SpinPolicy
 from shmbroker.client.errors import ShmBrokerError, WorkerDied
 from shmbroker.client.lead import ReceiveRole
 from shmbroker.client.rejoin import Rejoin
-from shmbroker.client.session import Link, ModelPlan, RowsLayout
+from shmbroker.client.session import Cork, Link, ModelPlan, RowsLayout
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +76,11 @@ class Receiving:
     _broker_link: Callable[[], None]
     _take_session: Callable[[float], None]
     _slot_cond: threading.Condition
-    _cork: Any  # threading.local: ``on`` while callbacks' submits are held back to leave together
+    _cork: Cork  # callbacks' submits leave together
     _io: threading.Thread
     _snapshot_links: Callable[[], tuple[Link, ...]]  # methods of Client
     _links_updated: Callable[[], None]
-    _flush_all: Callable[[], None]
+    flush: Callable[[], None]
 
     def _io_loop(self) -> None:
         """(1) poll, (2) DONEs from workers, unless a caller receives them, (3) broker notices, (4) links up,
@@ -107,8 +107,8 @@ class Receiving:
                             spin.waiting(time.perf_counter_ns())
                     finally:
                         self._role.lock.release()
-                else:  # a caller waiting in infer() holds the reply sockets
-                    events = dict(pollers[1].poll(100))
+                else:  # parked: a caller holds the reply sockets, or left them for a moment (client.lead)
+                    events = self._parked_poll(pollers[1])
                 for link in links:
                     if link.monitor in events:  # (4) a reply connection came up, or closed
                         was_up = link.up
@@ -154,6 +154,21 @@ class Receiving:
                 os.sched_yield()
         return dict(poller.poll(100))
 
+    def _parked_poll(self, poller: zmq.Poller) -> dict[Any, int]:
+        """The parked IO thread's poll of everything but the reply sockets. It looks every WATCH_MS while
+        requests that no leader waits for are in flight or SUBMITs are queued: it sends those, and takes the
+        role back once no caller has led for WATCH_S (client.lead)."""
+        role = self._role
+        events = dict(poller.poll(role.parked_sleep_ms(self._unwaited())))
+        role.woke(time.monotonic(), self._unwaited())
+        self.flush()
+        return events
+
+    def _unwaited(self) -> bool:
+        """Requests in flight beyond the one a leader (if any) waits for, or SUBMITs queued."""
+        return len(self._pending) > self._role.lock.locked() or any(
+            link.queue for link in self._snapshot_links())
+
     def _make_pollers(self) -> tuple[tuple[zmq.Poller, zmq.Poller], tuple[Link, ...]]:
         """(everything, everything but the reply sockets), and the links they cover."""
         self._links_changed = False
@@ -172,8 +187,7 @@ class Receiving:
 
     def _drain_done(self, link: Link) -> None:
         """Receive and complete the DONEs waiting on ``link`` (its caller's poll said one is there)."""
-        self._cork.on = True  # submits made by callbacks coalesce into one message per worker
-        try:
+        with self._cork:  # submits made by callbacks coalesce into one message per worker
             for k in range(64):
                 if k and not link.pull_ready.poll(0):
                     break
@@ -182,9 +196,7 @@ class Receiving:
                 except zmq.Again:
                     break
                 self._on_done_message(link, frames)
-        finally:
-            self._cork.on = False
-        self._flush_all()
+        self.flush()
 
     def _on_done_message(self, link: Link, frames: list[bytes]) -> None:
         """Complete the requests of one message from ``link``'s reply socket: the fast path, else the full

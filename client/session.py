@@ -95,6 +95,21 @@ class ModelPlan:
         return SlotViews(rows, lay, ins, outs, segment)
 
 
+class Cork(threading.local):
+    """Per thread, a context manager that nests: inside it (``on``), that thread's SUBMITs are queued, not sent."""
+
+    on = False
+    depth = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+        self.on = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+        self.on = self.depth > 0
+
+
 class Link:
     """The client's two sockets to one worker: SUBMITs out (PUSH), DONEs in (PULL).
 

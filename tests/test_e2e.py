@@ -277,3 +277,21 @@ def test_idle_dispatch_runs_a_lone_request_without_the_queue_delay(tmp_path: Pat
                         c.infer("tiny", x)
     finally:
         assert b.stop() == 0, b.log()
+
+
+def test_an_async_request_cancelled_while_in_flight_frees_its_slot(broker: RunningBroker) -> None:
+    """A task cancelled while it awaits infer() gets CancelledError; its slot comes back with the answer, so
+    later requests on a one-slot client run, and they get their own answers."""
+    x, y = np.full((1, 256), 0.5, np.float32), np.full((1, 256), -0.5, np.float32)
+
+    async def main() -> np.ndarray:
+        async with AsyncClient(slots=1) as c:
+            await c.infer("tiny", x)  # linked and warm
+            task = asyncio.ensure_future(c.infer("tiny", x))
+            await asyncio.sleep(0)  # the request is written and sent
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return np.asarray(await asyncio.wait_for(c.infer("tiny", y), 20))
+
+    np.testing.assert_allclose(asyncio.run(main()), direct("tiny", y), rtol=0, atol=1e-5)

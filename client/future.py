@@ -1,0 +1,35 @@
+"""The Future that ``Client.submit`` returns: waiting on it receives answers on the waiting thread."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures._base import FINISHED
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+# (the Future, the caller's timeout) -> the timeout left: sends queued SUBMITs, then leads (client.lead)
+Await = Callable[["Future[Any]", "float | None"], "float | None"]
+
+
+class ClientFuture(Future[T]):
+    """A ``concurrent.futures.Future`` whose ``result()`` and ``exception()``, before they block, send the
+    SUBMITs that ``submit()`` queued and receive answers on the calling thread, as ``infer()`` does: a
+    waiting thread is not woken by another one (client.lead). Everything else is the standard Future's.
+    """
+
+    def __init__(self, wait: Await) -> None:
+        super().__init__()
+        self._wait = wait
+
+    def result(self, timeout: float | None = None) -> T:
+        """As ``Future.result``; raises DEADLOCK (ShmBrokerError) from a completion callback of its client."""
+        if self._state != FINISHED:  # read without the lock: a stale answer only costs the call to _wait
+            timeout = self._wait(self, timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """As ``Future.exception``; raises DEADLOCK (ShmBrokerError) from a completion callback of its client."""
+        if self._state != FINISHED:
+            timeout = self._wait(self, timeout)
+        return super().exception(timeout)
