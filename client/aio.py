@@ -13,9 +13,8 @@ import logging
 import os
 from typing import Any
 
-from shmbroker.client.client import Client, Inputs, Outputs
+from shmbroker.client.client import CLOSE_WAIT_S, Client, Inputs, Outputs
 from shmbroker.client.errors import ShmBrokerError
-from shmbroker.client.lifecycle import CLOSE_WAIT_S
 
 log = logging.getLogger(__name__)
 

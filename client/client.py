@@ -1,10 +1,9 @@
-"""The synchronous client: ``Client().infer(model, inputs)`` and ``submit`` returning a Future.
+"""The synchronous client: ``Client().infer(model, inputs)``, ``submit`` returning a Future, ``call`` with a callback.
 
-Threads: callers write their slot and send the SUBMIT themselves (coalesced under a per-worker lock);
-one IO thread receives broker notices, and DONEs unless a caller waiting in ``infer()`` receives them
-(client.lead, client.receiving). Slots are the flow control: at most ``slots`` requests are in flight,
-and a caller waits for a free slot. Argument checks that need no session: client.checks; ``wait_ready``
-and ``close``: client.lifecycle.
+Threads: callers write their slot and send the SUBMIT themselves (coalesced per worker: client.links); one IO
+thread receives broker notices, and DONEs unless a caller waiting for its answer receives them (client.lead,
+client.receiving). Slots are the flow control (client.slots). Argument checks that need no session:
+client.checks; a new session after a broker restart: client.rejoin.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, InvalidStateError
-from typing import TypeVar
+from typing import Self, TypeVar
 
 import numpy as np
 import zmq
@@ -27,11 +26,9 @@ from zmq.utils import monitor as zmq_monitor
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.ring import RingError
-from shmbroker.broker.common.spin import SpinPolicy
 from shmbroker.client.checks import FORKS, MAX_ITEMS_SETTING, check_rows, check_timeout, checked_arrays
 from shmbroker.client.errors import (
     ClientClosed,
-    Overloaded,
     RequestError,
     RequestTimeout,
     ShmBrokerError,
@@ -41,15 +38,12 @@ from shmbroker.client.errors import (
 )
 from shmbroker.client.future import ClientFuture
 from shmbroker.client.hintwait import HintWait
-from shmbroker.client.lead import ReceiveRole
-from shmbroker.client.lifecycle import Lifecycle
-from shmbroker.client.receiving import IO_SPIN_REACH, SLOT_ANSWERS, Pending, Receiving
+from shmbroker.client.links import Links
+from shmbroker.client.receiving import Receiver
 from shmbroker.client.rejoin import RETRY_S, Rejoin
 from shmbroker.client.request import Request
 from shmbroker.client.session import (
     GRACE_S,
-    Cork,
-    Link,
     ModelPlan,
     SlotViews,
     control_socket,
@@ -57,6 +51,7 @@ from shmbroker.client.session import (
     handshake,
     rejoin_mismatch,
 )
+from shmbroker.client.slots import Pending, Slots
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +59,11 @@ Inputs = np.ndarray | Mapping[str, np.ndarray]
 Outputs = np.ndarray | dict[str, np.ndarray]
 Callback = Callable[[Outputs | None, ShmBrokerError | None], object]
 T = TypeVar("T")
-SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
 LEAD_HORIZON_S = 3600.0  # a Future's result() without a timeout leads this long at a time, then waits as usual
+CLOSE_WAIT_S = 5.0  # how long close() (and leaving the with block) lets requests in flight finish
 
 
-class Client(Receiving, Lifecycle):
+class Client:
     """One session with the broker: a ring of slots, links to the workers, an IO thread.
 
     ``slots``: requests in flight at once (0: the broker's ``[sessions] default_slots``). ``max_items``: rows a
@@ -86,7 +81,7 @@ class Client(Receiving, Lifecycle):
         self.runtime_dir = find_broker(runtime_dir, "Client(runtime_dir=...)")
         self._pid = os.getpid()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._ctl = control_socket(self._ctx, self.runtime_dir)
+        self._ctl = control_socket(self._ctx, self.runtime_dir)  # the IO thread's, after the handshake
         try:
             hs = handshake(self._ctl, self.runtime_dir, slots, max_items, name, connect_timeout)
         except BaseException:
@@ -99,48 +94,29 @@ class Client(Receiving, Lifecycle):
                         "a request", max_items, self.max_items)
         # how this client's user raises max_items, named by the BAD_SHAPE error (a front-end names its own option)
         self.max_items_setting = MAX_ITEMS_SETTING
-        self._token = hs.ready.token
         self.segment = hs.segment
-        # what a new session after a broker restart is asked for: the same slots and rows (client.rejoin)
-        self._rejoin = Rejoin(hs.setup.n_slots, self.max_items, name, connect_timeout)
         self.models = {m.name: ModelPlan.of(m) for m in hs.setup.models}
         self._by_id = {p.info.model_id: p for p in self.models.values()}
-        self._links: dict[int, Link] = {}
-        self._links_lock = threading.Lock()
-        self._links_changed = True  # the IO thread rebuilds its poller
-        self._turn = 0  # where _choose starts its scan of the links
-        self._pending: dict[int, Pending] = {}
-        self._free: list[int] = list(range(hs.setup.n_slots - 1, -1, -1))
-        self._gens = [0] * hs.setup.n_slots
+        self._slots = Slots(hs.setup.n_slots)
         # per model id and slot: the views of the row count used last (bounded by models x slots)
         self._views: dict[int, list[SlotViews | None]] = {m: [None] * hs.setup.n_slots for m in self._by_id}
-        self._slot_cond = threading.Condition()
-        self._slot_waiters = 0
         self._ids = itertools.count(1)
-        self._cork = Cork()
-        self._stop = threading.Event()
-        self._open = True  # False once close() began
-        self._drained: threading.Event | None = None
-        self._wake_addr = f"inproc://wake-{id(self)}"
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(self._wake_addr)
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(self._wake_addr)
-        self._wake_lock = threading.Lock()
-        self._role = ReceiveRole(self._wake, spin_us, IO_SPIN_REACH)
-        self._io_spin = SpinPolicy(spin_us * 1000, reach=IO_SPIN_REACH)
         self._spin_ns = spin_us * 1000
         self._hint_wait = HintWait(self.segment, self._spin_ns)
-        for info in hs.ready.workers:
-            self._links[info.worker_id] = Link(self._ctx, info)
-        self._link_list: tuple[Link, ...] = ()
-        self._links_updated()
-        self._wait_links_up(connect_timeout)
-        # the broker's connection dropping (it stopped) and coming back (it restarted): see _broker_link
+        self._links = Links(self._ctx)
+        self._links.replace(hs.ready.workers, hs.setup.session_id, hs.ready.token)
+        self._links.wait_up(connect_timeout)
+        # what a new session after a broker restart is asked for: the same slots and rows (client.rejoin)
+        self._rejoin = Rejoin(hs.setup.n_slots, self.max_items, name, connect_timeout)
+        # the broker's connection dropping (it stopped) and coming back (it restarted): see _broker_events
         self._ctl_monitor = self._ctl.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._io = threading.Thread(target=self._io_loop, name=f"shmb-client-{self.session_id}", daemon=True)
-        self._io.start()
-        self._finalizer = weakref.finalize(self, Client._shutdown, self._stop, self._io, self._wake)
+        self._receiver = Receiver(
+            self._ctx, self._ctl, self._ctl_monitor, self._links, self._slots, spin_us, lambda: self.segment,
+            self._broker_events, self._take_session, f"shmb-client-{self.session_id}")
+        self._role = self._receiver.role
+        self._receiver.thread.start()
+        r = self._receiver
+        self._finalizer = weakref.finalize(self, Receiver.shutdown, r.stop_event, r.thread, r.wake)
 
     # -- public API -------------------------------------------------------------------------------------------
     def infer(self, model: str, inputs: Inputs, timeout: float | None = None) -> Outputs:
@@ -164,20 +140,13 @@ class Client(Receiving, Lifecycle):
         ``slot``, a spinning wait also reads the answer from the slot header (client.receiving)."""
         self._check_may_wait()
         until = time.monotonic() + wait
-        peek = (lambda: self.answered_in_slot(slot)) if slot is not None and SLOT_ANSWERS else None
-        self._role.lead(fut, until, self._snapshot_links, self._drain_done, lambda: bool(self._pending), peek)
+        self._receiver.lead(fut, until, slot, linger=False)
         try:
             return fut.result(max(0.0, until - time.monotonic()))
         except TimeoutError:
             if fut.done():
                 raise
             raise RequestTimeout(f"no answer from the worker within {wait:.1f} s") from None
-
-    def _check_may_wait(self) -> None:
-        """Refuse to block on a thread that runs completion callbacks (checked before anything is sent)."""
-        if threading.current_thread() is self._io or self._role.leading():
-            raise ShmBrokerError("a completion callback cannot wait for an answer; use submit() or call()",
-                                 "DEADLOCK")
 
     def submit(self, model: str, inputs: Inputs, timeout: float | None = None) -> Future[Outputs]:
         """Queue one request; the Future holds the output or a ShmBrokerError.
@@ -188,30 +157,18 @@ class Client(Receiving, Lifecycle):
         """
         plan, slot, views = self._fill(model, inputs, timeout)
         fut: ClientFuture[Outputs] = ClientFuture(self._await_future)
-        on_done = functools.partial(self._resolve, fut, plan, slot, views)
         role = self._role
-        self._send(slot, plan, views, timeout, on_done, True, defer=role.led_last())
+        self._send(slot, plan, views, timeout, functools.partial(self._resolve, fut, plan, slot, views), True,
+                   defer=role.led_last())
         # after the send: an IO thread that starts to doze from now on sees this request (client.lead)
         if role.parked and role.dozing and not role.leading():
-            self.flush()
+            self._links.flush_all()
             role.unpark()
         return fut
 
-    def _await_future(self, fut: Future[T], timeout: float | None) -> float | None:
-        """A ClientFuture's wait: send the queued SUBMITs, then receive on this thread until ``fut`` is done or
-        ``timeout`` passes (client.lead); returns the timeout left."""
-        self.flush()
-        if fut.done():
-            return timeout
-        self._check_may_wait()
-        until = time.monotonic() + (LEAD_HORIZON_S if timeout is None else max(0.0, timeout))
-        self._role.lead(fut, until, self._snapshot_links, self._drain_done, lambda: bool(self._pending),
-                        linger=True)
-        return None if timeout is None else max(0.0, until - time.monotonic())
-
     def call(self, model: str, inputs: Inputs, callback: Callback, timeout: float | None = None) -> None:
         """Queue one request; ``callback(outputs, error)`` runs when it is answered, on the client's IO thread
-        or on a thread of this client that is blocked in ``infer()`` (client.lead); it must not block.
+        or on a thread of this client that is blocked waiting for an answer (client.lead); it must not block.
 
         Exactly one of the two is None. The lightest way to keep many requests in flight: no Future, and
         requests submitted from a callback go out together in one message.
@@ -222,15 +179,97 @@ class Client(Receiving, Lifecycle):
         # a partial, not a lambda: completing the request then runs one Python frame fewer
         self._send(slot, plan, views, timeout, functools.partial(self._deliver, callback, plan, slot, views), True)
 
+    @contextlib.contextmanager
+    def request(self, model: str, rows: int = 1, timeout: float | None = None) -> Iterator[Request]:
+        """Zero-copy: fill ``req.inputs[name]`` in place, call ``req.run()``, read the outputs in place.
+
+        The views are valid inside the ``with`` block only; the slot is freed when it ends.
+        """
+        plan = self._plan(model)
+        check_timeout(timeout)
+        check_rows(plan, rows, "rows", self.max_items, self.max_items_setting)
+        slot = self._slots.acquire(timeout, self._receiver.on_io_thread)
+        req = Request(plan, slot, rows, self.segment, functools.partial(self._run_held, plan, slot, rows, timeout))
+        try:
+            yield req
+        finally:
+            req.views_gone()
+            if not req.in_flight:
+                self._slots.release(slot)
+
     def corked(self) -> contextlib.AbstractContextManager[None]:
         """``with client.corked():`` SUBMITs made by this thread inside the block are queued, not sent:
         ``flush()`` (or this thread's next wait for an answer) sends them together, one message per worker."""
-        return self._cork
+        return self._links.cork
 
     def flush(self) -> None:
         """Send every queued SUBMIT now."""
-        for link in self._snapshot_links():
-            self._flush(link)
+        self._links.flush_all()
+
+    @property
+    def slots(self) -> int:
+        """Requests this client may have in flight at once (its ring's slots)."""
+        return self._slots.n
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client has a session: False from the broker's loss until a new session is taken."""
+        return not self._rejoin.lost
+
+    def wait_ready(self, model: str, timeout: float = 10.0) -> None:
+        """Block until a worker that serves ``model`` is linked (after a restart, say)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if any(link.up and model in link.models for link in self._links.current):
+                return
+            with self._slots.cond:
+                self._slots.cond.wait(0.05)
+        raise WorkerDied(f"no live worker serves model {model!r} after {timeout} s")
+
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Refuse new requests (ClientClosed), wait up to ``timeout`` s for those in flight to be answered, fail
+        the rest with ClientClosed; then say BYE, stop the IO thread, unmap the ring. Called from a callback
+        (the client's own IO thread, which answers requests), it does not wait."""
+        r = self._receiver
+        if r.stop_event.is_set():
+            return
+        self._slots.open = False
+        if self._slots.pending and timeout > 0 and not r.on_io_thread():
+            r.drained = threading.Event()
+            r.wake()  # the IO thread looks at once whether anything is still in flight
+            r.drained.wait(timeout)
+        self._finalizer()
+        self._slots.wake_all()  # callers waiting for a slot see the client closed
+        with contextlib.suppress(zmq.ZMQError):
+            self._ctl.send_multipart(P.encode(P.Bye(self.session_id)))
+        with self._role.exclusive():
+            r.fail_all(ClientClosed(f"the client was closed before the answer came (close waited up to "
+                                    f"{timeout} s)"))
+            self._links.close_all()
+        self._ctx.destroy(linger=200)
+        self._views.clear()  # the cached views export the mapping, which close() then unmaps at once
+        self.segment.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- submission -------------------------------------------------------------------------------------------
+    def _check_may_wait(self) -> None:
+        """Refuse to block on a thread that runs completion callbacks (checked before anything is sent)."""
+        if self._receiver.on_io_thread() or self._role.leading():
+            raise ShmBrokerError("a completion callback cannot wait for an answer; use submit() or call()",
+                                 "DEADLOCK")
+
+    def _plan(self, model: str) -> ModelPlan:
+        if FORKS[0] and os.getpid() != self._pid:
+            raise ShmBrokerError("a Client cannot be used across fork(); create one in the child", "FORKED")
+        plan = self.models.get(model)
+        if plan is None:
+            raise UnknownModel(f"model {model!r} is not served; models are {sorted(self.models)}")
+        return plan
 
     def _fill(self, model: str, inputs: Inputs, timeout: float | None) -> tuple[ModelPlan, int, SlotViews]:
         """Check the inputs, take a slot and copy them into it: (plan, slot, the slot's views)."""
@@ -238,7 +277,7 @@ class Client(Receiving, Lifecycle):
         if timeout is not None:
             check_timeout(timeout)
         arrays = self._arrays(plan, inputs)
-        slot = self._acquire(timeout)
+        slot = self._slots.acquire(timeout, self._receiver.on_io_thread)
         views = self._views_for(plan, slot, arrays[0].shape[0])
         for view, arr in zip(views.ins, arrays, strict=True):
             view[...] = arr  # one copy into the slot; the shape and dtype were checked in _arrays
@@ -251,33 +290,6 @@ class Client(Receiving, Lifecycle):
             views = by_slot[slot] = plan.slot_views(self.segment, slot, rows)
         return views
 
-    @contextlib.contextmanager
-    def request(self, model: str, rows: int = 1, timeout: float | None = None) -> Iterator[Request]:
-        """Zero-copy: fill ``req.inputs[name]`` in place, call ``req.run()``, read the outputs in place.
-
-        The views are valid inside the ``with`` block only; the slot is freed when it ends.
-        """
-        plan = self._plan(model)
-        check_timeout(timeout)
-        check_rows(plan, rows, "rows", self.max_items, self.max_items_setting)
-        slot = self._acquire(timeout)
-        req = Request(self, plan, slot, rows, timeout)
-        try:
-            yield req
-        finally:
-            req.views_gone()
-            if not req.in_flight:
-                self._release(slot)
-
-    # -- submission -------------------------------------------------------------------------------------------
-    def _plan(self, model: str) -> ModelPlan:
-        if FORKS[0] and os.getpid() != self._pid:
-            raise ShmBrokerError("a Client cannot be used across fork(); create one in the child", "FORKED")
-        plan = self.models.get(model)
-        if plan is None:
-            raise UnknownModel(f"model {model!r} is not served; models are {sorted(self.models)}")
-        return plan
-
     def _arrays(self, plan: ModelPlan, inputs: Inputs) -> list[np.ndarray]:
         specs = plan.info.inputs
         if type(inputs) is dict and len(inputs) == 1 and len(specs) == 1:
@@ -288,54 +300,16 @@ class Client(Receiving, Lifecycle):
             return [inputs]  # the common case, checked in one go; anything else gets the checks that explain
         return checked_arrays(plan, inputs, self.max_items, self.max_items_setting)
 
-    def _acquire(self, timeout: float | None) -> int:
-        """A free slot. list.pop is atomic under the GIL, so the common case takes no lock."""
-        if self._open:
-            try:
-                return self._free.pop()
-            except IndexError:
-                pass
-        return self._wait_for_slot(timeout)
-
-    def _wait_for_slot(self, timeout: float | None) -> int:
-        end = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if not self._open:
-                raise ClientClosed("the client is closed")
-            try:
-                return self._free.pop()
-            except IndexError:
-                pass
-            if threading.current_thread() is self._io:
-                raise Overloaded(f"all {len(self._gens)} slots are in flight, and a completion callback cannot "
-                                 "wait for one (raise Client(slots=...))")
-            left = None if end is None else end - time.monotonic()
-            if left is not None and left <= 0:
-                raise RequestTimeout(f"no free slot within {timeout} s (all {len(self._gens)} slots in flight)")
-            with self._slot_cond:
-                self._slot_waiters += 1
-                try:
-                    if not self._free:
-                        self._slot_cond.wait(left)
-                finally:
-                    self._slot_waiters -= 1
-
-    def _release(self, slot: int) -> None:
-        self._free.append(slot)
-        if self._slot_waiters:  # only a caller that found no free slot sleeps on the condition
-            with self._slot_cond:
-                self._slot_cond.notify()
-
     def _send(self, slot: int, plan: ModelPlan, views: SlotViews, timeout: float | None,
               on_done: Callable[[P.Result | ShmBrokerError], None], release: bool, hint_wait: bool = False,
               defer: bool = False) -> None:
         """Publish the request in its slot and send its SUBMIT (coalesced); ``hint_wait`` (a caller about to
         block for the answer): no SUBMIT if a spinning worker takes the request from its hint (client.hintwait);
         ``defer``: queue the SUBMIT, as ``corked()`` does."""
-        link = self._choose(plan)
+        link = self._links.choose(plan)
         if link is None or views.segment is not self.segment:
             if release:
-                self._release(slot)
+                self._slots.release(slot)
             if self._rejoin.lost:
                 raise WorkerDied("the broker is gone (stopped or restarting); this client takes a new session "
                                  "when it is back")
@@ -343,151 +317,45 @@ class Client(Receiving, Lifecycle):
                 raise WorkerDied(f"no live worker serves model {plan.info.name!r} (the broker restarts dead ones)")
             raise WorkerDied("the broker restarted while this request was written; send it again")
         rid = next(self._ids)
-        gen = self._gens[slot] = (self._gens[slot] + 1) & 0xFFFF_FFFF
+        gens = self._slots.gens
+        gen = gens[slot] = (gens[slot] + 1) & 0xFFFF_FFFF
         timeout_us = 0 if timeout is None else max(1, int(timeout * 1e6))
         lay = views.layout
         n_t = len(lay.in_offsets)
         # with the hint, a worker spinning on this slot takes the request ahead of the SUBMIT (PROTOCOL 4.2)
         hinted = self.segment.post_request(slot, link.worker_id, rid, gen, plan.info.model_id, n_t, timeout_us,
                                            lay.in_descs)
-        self._pending[slot] = Pending(rid, gen, plan, link.worker_id, on_done, lay)
+        self._slots.pending[slot] = Pending(rid, gen, plan, link.worker_id, on_done, lay)
         link.outstanding += 1
         if hint_wait and hinted and self._hint_wait.taken(slot):
             return  # the worker admitted it from the slot header and expects no SUBMIT (PROTOCOL 4.2)
-        link.queue.append((rid, slot, gen, plan.info.model_id, n_t, timeout_us, lay.in_descs))
-        if not (defer or self._cork.on):
-            self._flush(link)
+        self._links.send(link, (rid, slot, gen, plan.info.model_id, n_t, timeout_us, lay.in_descs), defer)
 
-    def _choose(self, plan: ModelPlan) -> Link | None:
-        """The least-outstanding live worker that serves the model; ties go round robin."""
-        links = self._link_list  # replaced whole when a link comes or goes (_links_updated)
-        n = len(links)
-        if n == 1:  # one worker: nothing to choose
-            link = links[0]
-            return link if link.up and plan.info.name in link.models else None
-        # Always starting the scan at the first link would hand every tie to worker 0, and ties are the
-        # common case at low load: the load would lean on it.
-        self._turn = start = (self._turn + 1) % n if n else 0
-        best = None
-        for k in range(n):
-            link = links[(start + k) % n]
-            if link.up and plan.info.name in link.models and (best is None or link.outstanding < best.outstanding):
-                best = link
-        return best
-
-    def _flush(self, link: Link) -> None:
-        # Flat combining: whoever holds the lock sends everything queued, so concurrent submits coalesce
-        # (docs/ARCHITECTURE.md, "Latency mechanisms"; bench/RESULTS.md#first-full-runs).
-        while link.queue:
-            if not link.send_lock.acquire(blocking=False):
-                return
-            try:
-                records: list[bytes] = []
-                descs: list[bytes] = []
-                n_t = 0
-                while link.queue:
-                    rid, slot, gen, model_id, n, timeout_us, desc = link.queue.popleft()
-                    records.append(P.REQUEST.pack(rid, slot, gen, model_id, n_t, n, timeout_us))
-                    descs.append(desc)
-                    n_t += n
-                if records and link.up:
-                    body = P.submit_body(self.session_id, self._token, records, descs, n_t)
-                    link.push.send_multipart([SUBMIT_ENVELOPE, body])
-            finally:
-                link.send_lock.release()
-
-    def _snapshot_links(self) -> tuple[Link, ...]:
-        return self._link_list  # replaced whole (under _links_lock) whenever a link comes or goes
-
-    def _links_updated(self) -> None:
-        with self._links_lock:
-            self._link_list = tuple(self._links.values())
-
-    # -- the broker's restarts (IO thread; client.rejoin) ----------------------------------------------------------
-    @property
-    def slots(self) -> int:
-        """Requests this client may have in flight at once (its ring's slots)."""
-        return len(self._gens)
-
-    @property
-    def connected(self) -> bool:
-        """Whether the client has a session: False from the broker's loss until a new session is taken."""
-        return not self._rejoin.lost
-
-    def _broker_link(self) -> None:
-        """(5) The broker's control connection dropped (it stopped) or came back (it restarted)."""
-        while True:
-            try:
-                event = zmq_monitor.recv_monitor_message(self._ctl_monitor, zmq.NOBLOCK)["event"]
-            except zmq.Again:
-                return
-            if event == zmq.EVENT_DISCONNECTED:
-                self._rejoin.connected = False
-                if not self._rejoin.lost:
-                    self._broker_lost()
-            elif event == zmq.EVENT_CONNECTED:
-                self._rejoin.connected = True
-                self._rejoin.retry_at = 0.0
-
-    def _broker_lost(self) -> None:
-        """Fail every request in flight, drop the links: their workers went with the broker."""
-        self._rejoin.lost = True
-        err = WorkerDied("the broker is gone (stopped or restarting); this client takes a new session when it "
-                         "is back")
-        with self._role.exclusive():
-            for slot, p in list(self._pending.items()):
-                link = self._links.get(p.worker_id)
-                if link is not None:
-                    self._complete(link, err, slot)
-                else:
-                    del self._pending[slot]
-                    p.on_done(err)
-            with self._links_lock:
-                gone, self._links = list(self._links.values()), {}
-            for link in gone:
-                link.close()
-        self._links_updated()
-        self._links_changed = True
-        log.warning("session %d: the broker is gone; waiting for it to come back", self.session_id)
-
-    def _take_session(self, now: float) -> None:
-        """While lost and the broker listens: a new session, swapped in whole, or another try after RETRY_S."""
-        r = self._rejoin
-        if not (r.lost and r.connected and now >= r.retry_at):
-            return
-        r.retry_at = now + RETRY_S
+    def _run_held(self, plan: ModelPlan, slot: int, rows: int, timeout: float | None) -> P.Result | ShmBrokerError:
+        """A zero-copy Request's run(): send the held slot as it is and wait for its answer (the slot stays held);
+        raises if none comes in time."""
+        self._check_may_wait()
+        done: Future[P.Result | ShmBrokerError] = Future()
+        views = self._views_for(plan, slot, rows)
+        self._send(slot, plan, views, timeout, done.set_result, release=False, hint_wait=True)
         try:
-            hs = handshake(self._ctl, self.runtime_dir, r.n_slots, r.max_items, r.name, r.timeout)
-        except (ShmBrokerError, OSError) as exc:
-            r.refused = str(exc)
-            log.warning("session lost: the broker's handshake failed (%s); trying again", exc)
-            return
-        why = rejoin_mismatch(hs.setup, r.n_slots, r.max_items, [p.info for p in self._by_id.values()])
-        if why:
-            r.refused = f"the restarted broker cannot take this client's place: {why}; make a new Client"
-            log.error("%s", r.refused)
-            with contextlib.suppress(zmq.ZMQError):
-                self._ctl.send_multipart(P.encode(P.Bye(hs.setup.session_id)))
-            hs.segment.close()
-            r.retry_at = float("inf")
-            return
-        old = self.segment
-        self.segment, self.session_id, self._token = hs.segment, hs.setup.session_id, hs.ready.token
-        for by_slot in self._views.values():  # views of the old ring: a request still writing one is refused
-            by_slot[:] = [None] * len(by_slot)
-        self._hint_wait = HintWait(self.segment, self._spin_ns)
-        with self._links_lock:
-            self._links = {info.worker_id: Link(self._ctx, info) for info in hs.ready.workers}
-        self._links_updated()
-        self._links_changed = True
-        self._wait_links_up(r.timeout)
-        r.lost, r.refused = False, ""
-        old.close()
-        with self._slot_cond:
-            self._slot_cond.notify_all()  # wait_ready() looks again
-        log.info("session %d: the broker is back; new session %d", old.layout.session_id, self.session_id)
+            return self.wait_for(done, (timeout if timeout is not None else plan.info.timeout_ms / 1e3) + GRACE_S,
+                                 slot)
+        finally:
+            self._hint_wait.done()
 
-    # -- completion (IO thread) -------------------------------------------------------------------------------
+    # -- completion (the receive role's holder) -----------------------------------------------------------------
+    def _await_future(self, fut: Future[T], timeout: float | None) -> float | None:
+        """A ClientFuture's wait: send the queued SUBMITs, then receive on this thread until ``fut`` is done or
+        ``timeout`` passes (client.lead); returns the timeout left."""
+        self._links.flush_all()
+        if fut.done():
+            return timeout
+        self._check_may_wait()
+        until = time.monotonic() + (LEAD_HORIZON_S if timeout is None else max(0.0, timeout))
+        self._receiver.lead(fut, until, None, linger=True)
+        return None if timeout is None else max(0.0, until - time.monotonic())
+
     def _outcome(self, plan: ModelPlan, slot: int, views: SlotViews,
                  r: P.Result | ShmBrokerError) -> tuple[Outputs | None, ShmBrokerError | None]:
         """(outputs copied out of the slot, None) or (None, the error); the slot is free afterwards."""
@@ -511,7 +379,7 @@ class Client(Receiving, Lifecycle):
         except (RingError, IndexError, KeyError) as exc:  # a worker whose output descriptors do not fit
             return None, RequestError(f"the worker's output descriptors do not fit the slot: {exc!r}")
         finally:
-            self._release(slot)
+            self._slots.release(slot)
 
     def _resolve(self, fut: Future[Outputs], plan: ModelPlan, slot: int, views: SlotViews,
                  r: P.Result | ShmBrokerError) -> None:
@@ -532,3 +400,63 @@ class Client(Receiving, Lifecycle):
             callback(value, error)
         except Exception:  # a user's callback must not stop the IO thread that serves every request
             log.exception("a submit callback raised; the client goes on")
+
+    # -- the broker's restarts (IO thread; client.rejoin) ----------------------------------------------------------
+    def _broker_events(self) -> None:
+        """(5) The broker's control connection dropped (it stopped) or came back (it restarted)."""
+        while True:
+            try:
+                event = zmq_monitor.recv_monitor_message(self._ctl_monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                self._rejoin.connected = False
+                if not self._rejoin.lost:
+                    self._broker_lost()
+            elif event == zmq.EVENT_CONNECTED:
+                self._rejoin.connected = True
+                self._rejoin.retry_at = 0.0
+
+    def _broker_lost(self) -> None:
+        """Fail every request in flight, drop the links: their workers went with the broker."""
+        self._rejoin.lost = True
+        err = WorkerDied("the broker is gone (stopped or restarting); this client takes a new session when it "
+                         "is back")
+        with self._role.exclusive():
+            self._receiver.fail_all(err)
+            for link in self._links.replace([], self.session_id, 0):
+                link.close()
+        log.warning("session %d: the broker is gone; waiting for it to come back", self.session_id)
+
+    def _take_session(self, now: float) -> None:
+        """While lost and the broker listens: a new session, swapped in whole, or another try after RETRY_S."""
+        r = self._rejoin
+        if not (r.lost and r.connected and now >= r.retry_at):
+            return
+        r.retry_at = now + RETRY_S
+        try:
+            hs = handshake(self._ctl, self.runtime_dir, r.n_slots, r.max_items, r.name, r.timeout)
+        except (ShmBrokerError, OSError) as exc:
+            r.refused = str(exc)
+            log.warning("session lost: the broker's handshake failed (%s); trying again", exc)
+            return
+        why = rejoin_mismatch(hs.setup, r.n_slots, r.max_items, [p.info for p in self._by_id.values()])
+        if why:
+            r.refused = f"the restarted broker cannot take this client's place: {why}; make a new Client"
+            log.error("%s", r.refused)
+            with contextlib.suppress(zmq.ZMQError):
+                self._ctl.send_multipart(P.encode(P.Bye(hs.setup.session_id)))
+            hs.segment.close()
+            r.retry_at = float("inf")
+            return
+        old, old_id = self.segment, self.session_id
+        self.segment, self.session_id = hs.segment, hs.setup.session_id
+        for by_slot in self._views.values():  # views of the old ring: a request still writing one is refused
+            by_slot[:] = [None] * len(by_slot)
+        self._hint_wait = HintWait(self.segment, self._spin_ns)
+        self._links.replace(hs.ready.workers, hs.setup.session_id, hs.ready.token)
+        self._links.wait_up(r.timeout)
+        r.lost, r.refused = False, ""
+        old.close()
+        self._slots.wake_all()  # wait_ready() looks again
+        log.info("session %d: the broker is back; new session %d", old_id, self.session_id)

@@ -42,12 +42,13 @@ from typing import Any
 import zmq
 
 from shmbroker.broker.common.spin import SpinPolicy
-from shmbroker.client.session import Link
+from shmbroker.client.links import Link
 
 POLL_SLICE_MS = 10  # a leader checks this often whether the IO thread needs the sockets back
-# How often a parked IO thread looks while requests that no leader waits for are in flight, and how long after
-# a Future's waiter left the role it takes the role back: a Futures loop comes back far sooner, and a Future
-# nobody waits on through result() is answered this much later at most (bench/RESULTS.md#client-apis).
+# A watched role: the parked IO thread looks every WATCH_MS while requests that no leader waits for are in
+# flight, and takes the role back once no caller has led for WATCH_S. A Futures loop comes back within
+# microseconds; a Future waited on by other means is answered at most about WATCH_MS + WATCH_S later. Looks
+# are rare because each one takes the GIL from the running Futures loop (bench/RESULTS.md#client-apis).
 WATCH_MS = 10
 WATCH_S = 0.002
 DOZE_MS = 100  # a parked IO thread with nothing to watch: only broker notices and wake-ups end its sleep

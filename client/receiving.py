@@ -1,8 +1,8 @@
 """The receiving side of a Client: the IO thread's loop, DONE decoding and completion, broker notices.
 
 Invariant: DONEs are received and requests completed only by the holder of the receive role
-(client.lead.ReceiveRole): the IO thread, or a caller waiting in ``infer()``. Links change only under
-``ReceiveRole.exclusive``.
+(client.lead.ReceiveRole): the IO thread, or a caller waiting in ``infer()``, ``Request.run()`` or a Future's
+``result()``. Links change only under ``ReceiveRole.exclusive``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
 from typing import Any
 
 import zmq
@@ -25,8 +25,8 @@ from shmbroker.broker.common.ring import Segment
 from shmbroker.broker.common.spin import SpinPolicy
 from shmbroker.client.errors import ShmBrokerError, WorkerDied
 from shmbroker.client.lead import ReceiveRole
-from shmbroker.client.rejoin import Rejoin
-from shmbroker.client.session import Cork, Link, ModelPlan, RowsLayout
+from shmbroker.client.links import Link, Links
+from shmbroker.client.slots import Pending, Slots
 
 log = logging.getLogger(__name__)
 
@@ -42,58 +42,77 @@ SLOT_ANSWERS = platform.machine().lower() in ("x86_64", "amd64")
 IO_SPIN_REACH = 4
 
 
-@dataclass(slots=True)
-class Pending:
-    """A request in flight, keyed by its slot in ``Client._pending``."""
+class Receiver:
+    """Owns the client's IO thread, its wake-up socket pair and the receive role; completes requests.
 
-    request_id: int
-    generation: int
-    plan: ModelPlan
-    worker_id: int
-    on_done: Callable[[P.Result | ShmBrokerError], None]  # frees the slot, unless a zero-copy Request holds it
-    layout: RowsLayout
+    ``segment`` returns the session's ring (it changes when the client takes a new session); ``broker_events``
+    reads ``ctl_monitor`` (the control connection's) when it has events, and ``tick`` runs once per loop: the
+    client's rejoin after a broker restart (client.rejoin).
+    """
 
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], ctl: zmq.Socket[bytes], ctl_monitor: zmq.Socket[bytes],
+                 links: Links, slots: Slots, spin_us: int, segment: Callable[[], Segment],
+                 broker_events: Callable[[], None], tick: Callable[[float], None], name: str) -> None:
+        self._ctl = ctl
+        self._ctl_monitor = ctl_monitor  # polled here; read by ``broker_events``
+        self._links = links
+        self._slots = slots
+        self._segment = segment
+        self._broker_events = broker_events
+        self._tick = tick
+        addr = f"inproc://wake-{id(self)}"
+        self._wake_rx = ctx.socket(zmq.PAIR)  # read by the IO thread only
+        self._wake_rx.bind(addr)
+        self._wake_tx = ctx.socket(zmq.PAIR)  # any thread, under _wake_lock
+        self._wake_tx.connect(addr)
+        self._wake_lock = threading.Lock()
+        self.role = ReceiveRole(self.wake, spin_us, IO_SPIN_REACH)
+        self._spin = SpinPolicy(spin_us * 1000, reach=IO_SPIN_REACH)  # when the IO thread polls without sleeping
+        self.stop_event = threading.Event()
+        self.drained: threading.Event | None = None  # set once nothing is in flight, while close() waits
+        self.thread = threading.Thread(target=self._io_loop, name=name, daemon=True)
 
-class Receiving:
-    """Mixed into Client: everything that runs when an answer or a notice arrives."""
+    # -- for the client ------------------------------------------------------------------------------------------
+    def lead(self, fut: Future[Any], until: float, slot: int | None, linger: bool) -> None:
+        """Receive on this thread until ``fut`` is done or ``until`` (client.lead); with ``slot``, a spinning
+        wait also reads that slot's answer from its header."""
+        peek = (lambda: self.answered_in_slot(slot)) if slot is not None and SLOT_ANSWERS else None
+        self.role.lead(fut, until, lambda: self._links.current, self.drain, lambda: bool(self._slots.pending),
+                       peek, linger)
 
-    _stop: threading.Event
-    _ctx: zmq.Context[zmq.Socket[bytes]]
-    segment: Segment
-    _ctl: zmq.Socket[bytes]
-    _wake_rx: zmq.Socket[bytes]
-    _wake_tx: zmq.Socket[bytes]
-    _wake_lock: threading.Lock
-    _role: ReceiveRole
-    _io_spin: SpinPolicy  # when the IO thread polls without sleeping
-    _links: dict[int, Link]
-    _links_lock: threading.Lock
-    _links_changed: bool
-    _pending: dict[int, Pending]
-    _drained: threading.Event | None
-    _ctl_monitor: zmq.Socket[bytes]
-    _rejoin: Rejoin
-    _broker_link: Callable[[], None]
-    _take_session: Callable[[float], None]
-    _slot_cond: threading.Condition
-    _cork: Cork  # callbacks' submits leave together
-    _io: threading.Thread
-    _snapshot_links: Callable[[], tuple[Link, ...]]  # methods of Client
-    _links_updated: Callable[[], None]
-    flush: Callable[[], None]
+    def on_io_thread(self) -> bool:
+        return threading.current_thread() is self.thread
 
+    def wake(self) -> None:
+        with self._wake_lock, contextlib.suppress(zmq.ZMQError):
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+
+    @staticmethod
+    def shutdown(stop: threading.Event, io: threading.Thread, wake: Callable[[], None]) -> None:
+        """Stop the IO thread and wait for it (at most 5 s); safe from a finalizer and from the thread itself."""
+        stop.set()
+        wake()
+        if io is not threading.current_thread():
+            io.join(timeout=5)
+
+    def fail_all(self, err: ShmBrokerError) -> None:
+        """Complete every request in flight with ``err`` (the caller holds the role exclusively)."""
+        for slot, p in list(self._slots.pending.items()):
+            self._finish(slot, p, self._links.get(p.worker_id), err)
+
+    # -- the IO thread -------------------------------------------------------------------------------------------
     def _io_loop(self) -> None:
         """(1) poll, (2) DONEs from workers, unless a caller receives them, (3) broker notices, (4) links up,
         (5) the broker's connection lost or back, and a new session after a restart (client.rejoin), (6) while
         close() waits, tell it once nothing is in flight."""
         pollers: tuple[zmq.Poller, zmq.Poller] | None = None
         links: tuple[Link, ...] = ()
-        spin = self._io_spin
+        spin = self._spin
         try:
-            while not self._stop.is_set():
-                if pollers is None or self._links_changed:
+            while not self.stop_event.is_set():
+                if pollers is None or self._links.changed:
                     pollers, links = self._make_pollers()
-                if self._role.io_may_receive():
+                if self.role.io_may_receive():
                     try:
                         events = self._poll(pollers[0])  # (1)
                         answered = False
@@ -102,22 +121,16 @@ class Receiving:
                                 if not answered:
                                     spin.arrived(time.perf_counter_ns())
                                     answered = True
-                                self._drain_done(link)  # (2)
+                                self.drain(link)  # (2)
                         if answered:
                             spin.waiting(time.perf_counter_ns())
                     finally:
-                        self._role.lock.release()
+                        self.role.lock.release()
                 else:  # parked: a caller holds the reply sockets, or left them for a moment (client.lead)
                     events = self._parked_poll(pollers[1])
                 for link in links:
                     if link.monitor in events:  # (4) a reply connection came up, or closed
-                        was_up = link.up
-                        if link.handshake_done() != was_up:
-                            self._links_changed = True
-                            if link.lost:
-                                self._link_lost(link)
-                            with self._slot_cond:
-                                self._slot_cond.notify_all()
+                        self._link_event(link)
                 if self._ctl in events:
                     self._drain_control()  # (3)
                 if self._wake_rx in events:
@@ -125,15 +138,14 @@ class Receiving:
                         while True:
                             self._wake_rx.recv(zmq.NOBLOCK)
                 if self._ctl_monitor in events:
-                    self._broker_link()  # (5)
-                if self._rejoin.lost:
-                    self._take_session(time.monotonic())
-                if self._drained is not None and not self._pending:
-                    self._drained.set()  # (6) close() waits for this
+                    self._broker_events()  # (5)
+                self._tick(time.monotonic())
+                if self.drained is not None and not self._slots.pending:
+                    self.drained.set()  # (6) close() waits for this
         except zmq.ContextTerminated:
             return
         except zmq.ZMQError:
-            if self._stop.is_set():  # a callback closed the client: its sockets are gone under this loop
+            if self.stop_event.is_set():  # a callback closed the client: its sockets are gone under this loop
                 return
             raise
 
@@ -143,8 +155,8 @@ class Receiving:
         without sleeping until one comes or the window ends. Why: on small and virtual machines a thread
         woken from sleep costs tens of microseconds more per wake-up, and it is woken once per DONE message
         (bench/RESULTS.md#io-thread-spin)."""
-        spin = self._io_spin
-        if spin.until and self._pending:
+        spin = self._spin
+        if spin.until and self._slots.pending:
             clock = time.perf_counter_ns
             while clock() < spin.until:
                 events = poller.poll(0)
@@ -158,21 +170,20 @@ class Receiving:
         """The parked IO thread's poll of everything but the reply sockets. It looks every WATCH_MS while
         requests that no leader waits for are in flight or SUBMITs are queued: it sends those, and takes the
         role back once no caller has led for WATCH_S (client.lead)."""
-        role = self._role
+        role = self.role
         events = dict(poller.poll(role.parked_sleep_ms(self._unwaited())))
         role.woke(time.monotonic(), self._unwaited())
-        self.flush()
+        self._links.flush_all()
         return events
 
     def _unwaited(self) -> bool:
         """Requests in flight beyond the one a leader (if any) waits for, or SUBMITs queued."""
-        return len(self._pending) > self._role.lock.locked() or any(
-            link.queue for link in self._snapshot_links())
+        return len(self._slots.pending) > self.role.lock.locked() or self._links.queued()
 
     def _make_pollers(self) -> tuple[tuple[zmq.Poller, zmq.Poller], tuple[Link, ...]]:
         """(everything, everything but the reply sockets), and the links they cover."""
-        self._links_changed = False
-        links = self._snapshot_links()
+        self._links.changed = False
+        links = self._links.current
         full, control = zmq.Poller(), zmq.Poller()
         for poller in (full, control):
             poller.register(self._ctl, zmq.POLLIN)
@@ -185,9 +196,10 @@ class Receiving:
             full.register(link.pull, zmq.POLLIN)
         return (full, control), links
 
-    def _drain_done(self, link: Link) -> None:
+    # -- completion (the receive role's holder) ------------------------------------------------------------------
+    def drain(self, link: Link) -> None:
         """Receive and complete the DONEs waiting on ``link`` (its caller's poll said one is there)."""
-        with self._cork:  # submits made by callbacks coalesce into one message per worker
+        with self._links.cork:  # submits made by callbacks coalesce into one message per worker
             for k in range(64):
                 if k and not link.pull_ready.poll(0):
                     break
@@ -195,10 +207,10 @@ class Receiving:
                     frames = link.pull.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._on_done_message(link, frames)
-        self.flush()
+                self.on_done_message(link, frames)
+        self._links.flush_all()
 
-    def _on_done_message(self, link: Link, frames: list[bytes]) -> None:
+    def on_done_message(self, link: Link, frames: list[bytes]) -> None:
         """Complete the requests of one message from ``link``'s reply socket: the fast path, else the full
         decode; a malformed message is logged and dropped."""
         if self._fast_done(link, frames):
@@ -211,7 +223,11 @@ class Receiving:
             log.error("malformed DONE from worker %d: %s", link.worker_id, exc)
             return
         for r in results:
-            self._complete(link, r)
+            p = self._slots.pending.get(r.slot)
+            if p is None or p.request_id != r.request_id or p.generation != r.generation:
+                log.debug("ignored a result for slot %s that is not in flight", r.slot)
+                continue
+            self._finish(r.slot, p, link, r)
 
     def _fast_done(self, link: Link, frames: list[bytes]) -> bool:
         """Complete the requests of a DONE whose every result is OK with the canonical output layout (True).
@@ -226,7 +242,7 @@ class Receiving:
         t_size = P.TENSOR.size
         if len(body) != t_base + t_size * n_t + text_len:
             return False
-        pending = self._pending
+        pending = self._slots.pending
         for rid, slot, gen, status, first, count, _mo, _ml, _r in P.RESULT.iter_unpack(body[P.DONE_HEADER.size:t_base]):
             # A callback run for an earlier result may have reused that result's slot: a repeat of it then
             # finds another request there, and is skipped like any result not in flight.
@@ -249,31 +265,40 @@ class Receiving:
         The worker writes a slot's outputs, then (after freeing its claim) the status and the state word
         last, so DONE in the header means the canonical outputs are in place.
         """
-        buf = self.segment.buf
-        base = self.segment.layout.slot_bases[slot]
+        segment = self._segment()
+        buf = segment.buf
+        base = segment.layout.slot_bases[slot]
         if STATE_GEN.unpack_from(buf, base)[0] != SlotState.DONE:  # the state word first, alone: the cheap test
             return False
         _state, gen, _rid, status = SLOT_HEADER.unpack_from(buf, base)
-        p = self._pending.get(slot)
+        p = self._slots.pending.get(slot)
         link = self._links.get(p.worker_id) if p is not None else None
         if p is None or link is None or p.generation != gen or status:
             return False  # an error's message comes only with the DONE message
-        del self._pending[slot]
-        link.outstanding -= 1
-        p.on_done(p.layout.ok)
+        self._finish(slot, p, link, p.layout.ok)
         return True
 
-    def _complete(self, link: Link, r: P.Result | ShmBrokerError, slot: int | None = None) -> None:
-        slot = r.slot if isinstance(r, P.Result) else slot
-        if slot is None:
-            return
-        p = self._pending.get(slot)
-        if p is None or (isinstance(r, P.Result) and (p.request_id != r.request_id or p.generation != r.generation)):
-            log.debug("ignored a result for slot %s that is not in flight", slot)
-            return
-        del self._pending[slot]
-        link.outstanding -= 1
+    def _finish(self, slot: int, p: Pending, link: Link | None, r: P.Result | ShmBrokerError) -> None:
+        del self._slots.pending[slot]
+        if link is not None:
+            link.outstanding -= 1
         p.on_done(r)
+
+    def _fail_worker(self, worker_id: int, err: ShmBrokerError) -> None:
+        link = self._links.get(worker_id)
+        for slot, p in list(self._slots.pending.items()):
+            if p.worker_id == worker_id:
+                self._finish(slot, p, link, err)
+
+    # -- broker notices and links (IO thread) --------------------------------------------------------------------
+    def _link_event(self, link: Link) -> None:
+        """(4) A reply connection came up, or closed: waiting callers look again."""
+        was_up = link.up
+        if link.handshake_done() != was_up:
+            self._links.changed = True
+            if link.lost:
+                self._link_lost(link)
+            self._slots.wake_all()
 
     def _drain_control(self) -> None:
         while True:
@@ -289,64 +314,26 @@ class Receiving:
             if isinstance(msg, P.WorkerDown):
                 self._worker_down(msg.worker_id, msg.reason)
             elif isinstance(msg, P.WorkerUp):
-                self._worker_up(msg.worker)
+                self._worker_down(msg.worker.worker_id, "replaced")  # a link we still hold is its predecessor's
+                self._links.add(msg.worker)
 
     def _worker_down(self, worker_id: int, reason: str) -> None:
-        with self._links_lock:
-            link = self._links.pop(worker_id, None)
+        link = self._links.get(worker_id)
         if link is None:
             return
-        self._links_updated()
-        self._links_changed = True
         err = f"worker {worker_id} died ({reason})"
-        with self._role.exclusive() as held:  # completions and the reply sockets belong to the receive role
+        with self.role.exclusive() as held:  # completions and the reply sockets belong to the receive role
             if not held:
                 log.error("a completion callback held the receive role for 5 s; closing link %d anyway", worker_id)
+            self._fail_worker(worker_id, WorkerDied(err))
+            self._links.pop(worker_id)
             link.close()
-            for slot, p in list(self._pending.items()):
-                if p.worker_id == worker_id:
-                    self._complete(link, WorkerDied(err), slot)
         log.warning("%s", err)
 
     def _link_lost(self, link: Link) -> None:
         """The worker closed its reply connection: fail its requests now rather than at their deadlines (the
         broker, if it is alive, also sends WORKER_DOWN and later WORKER_UP, which replace the link)."""
         err = f"worker {link.worker_id} closed its connection (it or the broker is gone)"
-        with self._role.exclusive():
-            for slot, p in list(self._pending.items()):
-                if p.worker_id == link.worker_id:
-                    self._complete(link, WorkerDied(err), slot)
+        with self.role.exclusive():
+            self._fail_worker(link.worker_id, WorkerDied(err))
         log.warning("%s", err)
-
-    def _worker_up(self, info: P.WorkerInfo) -> None:
-        self._worker_down(info.worker_id, "replaced")  # a link we still hold is to the dead predecessor
-        link = Link(self._ctx, info)
-        with self._links_lock:
-            self._links[info.worker_id] = link
-        self._links_updated()
-        self._links_changed = True
-
-    def _wait_links_up(self, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        for link in self._snapshot_links():
-            while not link.handshake_done():
-                left = end - time.monotonic()
-                if left <= 0 or not link.monitor.poll(int(left * 1000)):
-                    break
-
-    def _fail_all(self, err: ShmBrokerError) -> None:
-        for link in self._snapshot_links():
-            for slot, p in list(self._pending.items()):
-                if p.worker_id == link.worker_id:
-                    self._complete(link, err, slot)
-
-    def _wake(self) -> None:
-        with self._wake_lock, contextlib.suppress(zmq.ZMQError):
-            self._wake_tx.send(b"", zmq.NOBLOCK)
-
-    @staticmethod
-    def _shutdown(stop: threading.Event, io: threading.Thread, wake: Callable[[], None]) -> None:
-        stop.set()
-        wake()
-        if io is not threading.current_thread():
-            io.join(timeout=5)

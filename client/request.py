@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 
 from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.ring import Segment
 from shmbroker.client.errors import ShmBrokerError, from_status
-from shmbroker.client.session import GRACE_S, ModelPlan
+from shmbroker.client.session import ModelPlan
 
-if TYPE_CHECKING:
-    from shmbroker.client.client import Client, Outputs
+Outputs = np.ndarray | dict[str, np.ndarray]
 
 
 class _EndedInputs(dict[str, np.ndarray]):
@@ -32,17 +31,18 @@ class Request:
     kept one cannot write into another request's slot (views the caller sliced from them are not reached).
     """
 
-    def __init__(self, client: Client, plan: ModelPlan, slot: int, rows: int, timeout: float | None) -> None:
-        self._client = client
+    def __init__(self, plan: ModelPlan, slot: int, rows: int, segment: Segment,
+                 run: Callable[[], P.Result | ShmBrokerError]) -> None:
+        """``run`` sends the slot as it is and returns its answer (Client._run_held)."""
         self._plan = plan
         self._slot = slot
-        self._rows = rows
-        self._timeout = timeout
+        self._segment = segment
+        self._run = run
         self._ended = False
         self.in_flight = False
         offsets = plan.input_offsets(rows)
         self.inputs: dict[str, np.ndarray] = {
-            s.name: client.segment.input_view(slot, offsets[k], plan.in_dtypes[k], (rows, *plan.in_item_shapes[k]))
+            s.name: segment.input_view(slot, offsets[k], plan.in_dtypes[k], (rows, *plan.in_item_shapes[k]))
             for k, s in enumerate(plan.info.inputs)
         }
         self._handed: list[np.ndarray] = list(self.inputs.values())  # frozen at the end of the block
@@ -54,24 +54,15 @@ class Request:
         if self._ended:
             raise ShmBrokerError("req.run(): the request's `with` block has ended and its slot serves other "
                                  "requests now; call run() inside the block", "REQUEST_ENDED")
-        self._client._check_may_wait()
-        done: Future[P.Result | ShmBrokerError] = Future()
-        self.in_flight = True
-        views = self._client._views_for(self._plan, self._slot, self._rows)
-        self._client._send(self._slot, self._plan, views, self._timeout, done.set_result, release=False,
-                           hint_wait=True)
-        wait = (self._timeout if self._timeout is not None else self._plan.info.timeout_ms / 1e3) + GRACE_S
-        try:
-            r = self._client.wait_for(done, wait, self._slot)
-        finally:
-            self._client._hint_wait.done()
+        self.in_flight = True  # stays set if no answer comes: the worker may still write the slot
+        r = self._run()
         self.in_flight = False
         if isinstance(r, ShmBrokerError):
             raise r
         if r.status != P.Status.OK:
             raise from_status(r.status, r.message)
         specs = self._plan.info.outputs
-        seg = self._client.segment
+        seg = self._segment
         outs = {}
         for t in r.tensors:
             view = seg.output_view(self._slot, t.offset, self._plan.out_dtypes[t.index], t.shape)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import collections
 import math
 import os
 import struct
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,82 +91,6 @@ class ModelPlan:
                     for off, dt, shape in zip(lay.in_offsets, self.in_dtypes, self.in_item_shapes, strict=True))
         outs = tuple(segment.output_view(slot, d.offset, self.out_dtypes[d.index], d.shape) for d in lay.out_descs)
         return SlotViews(rows, lay, ins, outs, segment)
-
-
-class Cork(threading.local):
-    """Per thread, a context manager that nests: inside it (``on``), that thread's SUBMITs are queued, not sent."""
-
-    on = False
-    depth = 0
-
-    def __enter__(self) -> None:
-        self.depth += 1
-        self.on = True
-
-    def __exit__(self, *exc: object) -> None:
-        self.depth -= 1
-        self.on = self.depth > 0
-
-
-class Link:
-    """The client's two sockets to one worker: SUBMITs out (PUSH), DONEs in (PULL).
-
-    Invariant: ``push`` is used only under ``send_lock``; ``pull`` only by the client's IO thread.
-    """
-
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], info: P.WorkerInfo) -> None:
-        self.info = info
-        self.worker_id = info.worker_id
-        self.models = set(info.models)
-        # requests sent on this link and not yet answered: a routing hint for the least-outstanding choice,
-        # approximate by design (sending threads add and the receiving thread subtracts without a lock; a
-        # lost update only skews one choice, never a request)
-        self.outstanding = 0
-        self.up = False
-        self.send_lock = threading.Lock()
-        # (request_id, slot, generation, model_id, n_tensors, timeout_us, packed descriptors)
-        self.queue: collections.deque[tuple[int, int, int, int, int, int, bytes]] = collections.deque()
-        self.pull = ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.setsockopt(zmq.RCVHWM, 0)
-        self.lost = False  # the reply connection closed after it was up: the worker no longer serves us
-        self.monitor = self.pull.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        self.pull.connect(info.reply_endpoint)
-        # "is a DONE waiting?" asked once per message: a Poller built once is the cheapest way (Socket.poll
-        # builds one per call, and get(EVENTS) costs about twice as much)
-        self.pull_ready = zmq.Poller()
-        self.pull_ready.register(self.pull, zmq.POLLIN)
-        self.push = ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 0)
-        self.push.setsockopt(zmq.SNDHWM, 0)  # the ring's slots bound what is in flight
-        self.push.connect(info.endpoint)
-
-    def handshake_done(self) -> bool:
-        """Consume monitor events; True while the reply connection is up (DONEs can reach us).
-
-        A disconnect after the connection was up sets ``lost``: a worker closes a session's reply socket only
-        once it has stopped serving it (it shut down, or its process ended, as it does when the broker dies),
-        so no DONE and no write into the ring can follow.
-        """
-        while True:
-            try:
-                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return self.up
-            event = MONITOR_EVENT.unpack_from(frames[0])[0] if frames and len(frames[0]) >= 2 else 0
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.lost:
-                self.up = True
-            elif event == zmq.EVENT_DISCONNECTED and self.up:
-                self.up = False
-                self.lost = True
-
-    def close(self) -> None:
-        with self.send_lock:
-            self.up = False
-            self.push.close(0)
-        self.pull.disable_monitor()
-        self.monitor.close(0)
-        self.pull.close(0)
 
 
 @dataclass

@@ -13,7 +13,8 @@ import zmq
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.protocol import SlotState
-from shmbroker.client.session import Link, ModelPlan, control_socket, handshake
+from shmbroker.client.links import Link
+from shmbroker.client.session import ModelPlan, control_socket, handshake
 
 
 class RawClient:

@@ -201,7 +201,7 @@ def test_blocking_calls_send_no_submit_for_a_request_the_worker_took_from_its_hi
         n = 600
         got = []
         with Client(b.runtime_dir) as c:
-            link = c._snapshot_links()[0]
+            link = c._links.current[0]
             counting = _CountingPush(link.push)
             link.push = counting  # type: ignore[assignment]
             for i in range(n):

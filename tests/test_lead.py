@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ import pytest
 from shmbroker.client import Client, WorkerDied
 from shmbroker.client.client import Outputs
 from shmbroker.client.errors import ShmBrokerError
-from shmbroker.client.receiving import SLOT_ANSWERS
+from shmbroker.client.receiving import SLOT_ANSWERS, Receiver
 from tests.conftest import RunningBroker, arr
 from tests.models import direct
 
@@ -116,15 +116,15 @@ def test_infer_reads_answers_from_the_slot_header_and_skips_their_late_done(
         broker: RunningBroker, monkeypatch: pytest.MonkeyPatch) -> None:
     """A spinning caller completes from the slot header; the DONE message that follows completes nothing else."""
     from_header = 0
-    real = Client.answered_in_slot
+    real = Receiver.answered_in_slot
 
-    def counted(self: Client, slot: int) -> bool:
+    def counted(self: Receiver, slot: int) -> bool:
         nonlocal from_header
         got = real(self, slot)
         from_header += got
         return got
 
-    monkeypatch.setattr(Client, "answered_in_slot", counted)
+    monkeypatch.setattr(Receiver, "answered_in_slot", counted)
     rng = np.random.default_rng(11)
     with Client(spin_us=200_000, slots=2) as c:  # two slots: each is reused while its late DONE may be on the way
         for _ in range(300):
@@ -136,43 +136,3 @@ def test_infer_reads_answers_from_the_slot_header_and_skips_their_late_done(
             np.testing.assert_allclose(arr(f.result(20)), direct("tiny", x), rtol=0, atol=1e-5)
     assert from_header > 0
 
-
-def test_futures_waited_on_without_result_are_sent_and_answered(broker: RunningBroker) -> None:
-    """After a thread waited in a Future's result(), its next submits are queued for its next wait. A thread that
-    waits with concurrent.futures.wait or a done-callback instead still gets every answer: the IO thread sends
-    the queued SUBMITs and takes the receive role back (client.lead, WATCH_MS)."""
-    rng = np.random.default_rng(5)
-    xs = [rng.standard_normal((1, 256), dtype=np.float32) for _ in range(10)]
-    called = threading.Event()
-    with Client(slots=16) as c:
-        first = [c.submit("tiny", x) for x in xs[:2]]  # one left in flight while this thread leads
-        np.testing.assert_allclose(arr(first[0].result(20)), direct("tiny", xs[0]), rtol=0, atol=1e-5)
-        futs = first[1:] + [c.submit("tiny", x) for x in xs[2:]]
-        futs[-1].add_done_callback(lambda _f: called.set())
-        _done, not_done = wait(futs, timeout=20)
-        assert not not_done and called.wait(20)
-        for x, f in zip(xs[1:], futs, strict=True):
-            np.testing.assert_allclose(arr(f.result(0)), direct("tiny", x), rtol=0, atol=1e-5)
-
-
-def test_a_callback_that_waits_on_a_future_is_refused(broker: RunningBroker) -> None:
-    """A Future's result() inside a completion callback raises DEADLOCK; the request it waited for is still
-    sent and answered."""
-    x = np.ones((1, 256), np.float32)
-    errors: list[ShmBrokerError] = []
-    inner: list[Future[Outputs]] = []
-    done = threading.Event()
-
-    def callback(out: Outputs | None, err: ShmBrokerError | None) -> None:
-        inner.append(c.submit("tiny", x))
-        try:
-            inner[-1].result(5)
-        except ShmBrokerError as exc:
-            errors.append(exc)
-        done.set()
-
-    with Client() as c:
-        c.call("tiny", x, callback)
-        assert done.wait(20)
-        np.testing.assert_allclose(arr(inner[0].result(20)), direct("tiny", x), rtol=0, atol=1e-5)
-    assert [e.code for e in errors] == ["DEADLOCK"]

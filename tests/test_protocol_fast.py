@@ -30,7 +30,7 @@ request = st.builds(P.SubmitRequest, u64, u32, u32, u32, u32, st.lists(tensor, m
 
 
 def _records(reqs: list[P.SubmitRequest]) -> tuple[list[bytes], list[bytes], int]:
-    """What a client packs per request (client.Client._flush): records, descriptors, tensor count."""
+    """What a client packs per request (client.links.Links.flush): records, descriptors, tensor count."""
     records, descs, n_t = [], [], 0
     for r in reqs:
         records.append(P.REQUEST.pack(r.request_id, r.slot, r.generation, r.model_id, n_t, len(r.tensors),

@@ -35,7 +35,7 @@ def test_a_done_mixing_ok_and_error_answers_each_request_once_even_when_a_callba
         broker: RunningBroker) -> None:
     x = np.zeros((1, 256), np.float32)
     with Client() as c:
-        link = c._link_list[0]
+        link = c._links.current[0]
         real_push, link.push = link.push, _Recorder()  # type: ignore[assignment]
         got: dict[int, list[Outcome]] = {}
 
@@ -48,7 +48,7 @@ def test_a_done_mixing_ok_and_error_answers_each_request_once_even_when_a_callba
 
         for i in range(3):
             c.call("tiny", x, on_done(i))
-        first = sorted(c._pending.items(), key=lambda sp: sp[1].request_id)
+        first = sorted(c._slots.pending.items(), key=lambda sp: sp[1].request_id)
         (s0, p0), (s1, p1), (s2, p2) = first
         mid = p0.plan.info.model_id
         for k, slot in ((1, s0), (3, s2)):  # what the worker would have written: request k's output is all k
@@ -62,8 +62,8 @@ def test_a_done_mixing_ok_and_error_answers_each_request_once_even_when_a_callba
             P.Result(p2.request_id, s2, p2.generation, P.Status.OK, list(lay.out_descs)),
         ]))
         with c._role.exclusive():
-            c._on_done_message(link, frames)
-            c._on_done_message(link, frames)  # a repeat: none of its requests is in flight any more
+            c._receiver.on_done_message(link, frames)
+            c._receiver.on_done_message(link, frames)  # a repeat: none of its requests is in flight any more
         assert sorted(got) == [0, 1, 2]
         assert all(len(v) == 1 for v in got.values()), got
         out0, err0 = got[0][0]
@@ -73,7 +73,7 @@ def test_a_done_mixing_ok_and_error_answers_each_request_once_even_when_a_callba
         assert err2 is None and isinstance(out2, np.ndarray) and np.all(out2 == 3)
         # the request submitted from the first callback took slot s0 and is still waiting for its answer
         assert 3 not in got
-        assert list(c._pending) == [s0] and c._pending[s0].request_id > p2.request_id
+        assert list(c._slots.pending) == [s0] and c._slots.pending[s0].request_id > p2.request_id
         assert link.outstanding == 1
         link.push = real_push
 
@@ -111,10 +111,10 @@ def test_the_io_thread_does_not_spin_with_nothing_in_flight(broker: RunningBroke
     x = np.zeros((1, 256), np.float32)
     with Client(spin_us=300_000) as c:  # a long window: a spin would show as 0.3 s of CPU
         _chain(c, "tiny", x, 300)  # back to back: the IO thread spins between these answers
-        before = _thread_cpu_s(c._io)
+        before = _thread_cpu_s(c._receiver.thread)
         idle = threading.Event()
         idle.wait(0.6)  # the window measured: nothing is in flight
-        used = _thread_cpu_s(c._io) - before
+        used = _thread_cpu_s(c._receiver.thread) - before
     assert used < 0.05, f"the IO thread used {used:.3f} s of CPU in 0.6 s with nothing in flight"
 
 
@@ -127,7 +127,7 @@ def test_the_io_thread_sleeps_while_answers_come_slower_than_its_spin_reach(brok
     spin_us = max(1, int(gap * 1e6 / (2 * IO_SPIN_REACH)))
     with Client(spin_us=spin_us) as c:
         _chain(c, "nsfw", x, 8)  # the policy learns that answers come slower than the reach
-        before, t0 = _thread_cpu_s(c._io), time.monotonic()
+        before, t0 = _thread_cpu_s(c._receiver.thread), time.monotonic()
         _chain(c, "nsfw", x, 20)
-        share = (_thread_cpu_s(c._io) - before) / (time.monotonic() - t0)
+        share = (_thread_cpu_s(c._receiver.thread) - before) / (time.monotonic() - t0)
     assert share < 0.08, f"the IO thread used {share:.0%} of a core waiting for answers {gap * 1e3:.1f} ms apart"

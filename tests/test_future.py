@@ -1,0 +1,71 @@
+"""client.future: a Future's result() receives on the waiting thread and sends the SUBMITs its thread queued; a
+Future waited on by other means is still sent and answered; waiting inside a completion callback is refused."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, wait
+
+import numpy as np
+
+from shmbroker.client import Client
+from shmbroker.client.client import Outputs
+from shmbroker.client.errors import ShmBrokerError
+from tests.conftest import RunningBroker, arr
+from tests.models import direct
+
+
+def test_a_futures_loop_gets_every_answer_right(broker: RunningBroker) -> None:
+    """Eight in flight, each result() followed by one more submit: the waiting thread receives and its submits
+    leave together with its next wait."""
+    rng = np.random.default_rng(9)
+    xs = [rng.standard_normal((1, 256), dtype=np.float32) for _ in range(200)]
+    with Client(slots=16) as c:
+        pending = [(x, c.submit("tiny", x)) for x in xs[:8]]
+        for x in xs[8:]:
+            want, fut = pending.pop(0)
+            np.testing.assert_allclose(arr(fut.result(20)), direct("tiny", want), rtol=0, atol=1e-5)
+            pending.append((x, c.submit("tiny", x)))
+        for want, fut in pending:
+            np.testing.assert_allclose(arr(fut.result(20)), direct("tiny", want), rtol=0, atol=1e-5)
+
+
+def test_futures_waited_on_without_result_are_sent_and_answered(broker: RunningBroker) -> None:
+    """After a thread waited in a Future's result(), its next submits are queued for its next wait. A thread that
+    waits with concurrent.futures.wait or a done-callback instead still gets every answer: the IO thread sends
+    the queued SUBMITs and takes the receive role back (client.lead, WATCH_MS)."""
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((1, 256), dtype=np.float32) for _ in range(10)]
+    called = threading.Event()
+    with Client(slots=16) as c:
+        first = [c.submit("tiny", x) for x in xs[:2]]  # one left in flight while this thread leads
+        np.testing.assert_allclose(arr(first[0].result(20)), direct("tiny", xs[0]), rtol=0, atol=1e-5)
+        futs = first[1:] + [c.submit("tiny", x) for x in xs[2:]]
+        futs[-1].add_done_callback(lambda _f: called.set())
+        _done, not_done = wait(futs, timeout=20)
+        assert not not_done and called.wait(20)
+        for x, f in zip(xs[1:], futs, strict=True):
+            np.testing.assert_allclose(arr(f.result(0)), direct("tiny", x), rtol=0, atol=1e-5)
+
+
+def test_a_callback_that_waits_on_a_future_is_refused(broker: RunningBroker) -> None:
+    """A Future's result() inside a completion callback raises DEADLOCK; the request it waited for is still
+    sent and answered."""
+    x = np.ones((1, 256), np.float32)
+    errors: list[ShmBrokerError] = []
+    inner: list[Future[Outputs]] = []
+    done = threading.Event()
+
+    def callback(out: Outputs | None, err: ShmBrokerError | None) -> None:
+        inner.append(c.submit("tiny", x))
+        try:
+            inner[-1].result(5)
+        except ShmBrokerError as exc:
+            errors.append(exc)
+        done.set()
+
+    with Client() as c:
+        c.call("tiny", x, callback)
+        assert done.wait(20)
+        np.testing.assert_allclose(arr(inner[0].result(20)), direct("tiny", x), rtol=0, atol=1e-5)
+    assert [e.code for e in errors] == ["DEADLOCK"]
