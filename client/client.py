@@ -156,7 +156,7 @@ class Client:
         meanwhile, or at the IO thread's next look (client.lead, WATCH_MS), whichever comes first.
         """
         plan, slot, views = self._fill(model, inputs, timeout)
-        fut: ClientFuture[Outputs] = ClientFuture(self._await_future)
+        fut: ClientFuture[Outputs] = ClientFuture(self._await_future, self._receiver_needed)
         role = self._role
         self._send(slot, plan, views, timeout, functools.partial(self._resolve, fut, plan, slot, views), True,
                    defer=role.led_last())
@@ -355,6 +355,13 @@ class Client:
         until = time.monotonic() + (LEAD_HORIZON_S if timeout is None else max(0.0, timeout))
         self._receiver.lead(fut, until, None, linger=True)
         return None if timeout is None else max(0.0, until - time.monotonic())
+
+    def _receiver_needed(self) -> None:
+        """A Future nobody may wait on through result() (it got a done-callback): the IO thread receives now."""
+        role = self._role
+        if role.parked and not role.leading():
+            self._links.flush_all()
+            role.unpark()
 
     def _outcome(self, plan: ModelPlan, slot: int, views: SlotViews,
                  r: P.Result | ShmBrokerError) -> tuple[Outputs | None, ShmBrokerError | None]:

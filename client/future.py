@@ -15,12 +15,20 @@ Await = Callable[["Future[Any]", "float | None"], "float | None"]
 class ClientFuture(Future[T]):
     """A ``concurrent.futures.Future`` whose ``result()`` and ``exception()``, before they block, send the
     SUBMITs that ``submit()`` queued and receive answers on the calling thread, as ``infer()`` does: a
-    waiting thread is not woken by another one (client.lead). Everything else is the standard Future's.
+    waiting thread is not woken by another one (client.lead). ``add_done_callback`` on a pending Future hands
+    receiving to the IO thread at once (``receiver``). Everything else is the standard Future's.
     """
 
-    def __init__(self, wait: Await) -> None:
+    def __init__(self, wait: Await, receiver: Callable[[], None]) -> None:
         super().__init__()
         self._wait = wait
+        self._receiver = receiver
+
+    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
+        """As ``Future.add_done_callback``; the callback runs on the thread that receives the answer."""
+        super().add_done_callback(fn)
+        if self._state != FINISHED:
+            self._receiver()
 
     def result(self, timeout: float | None = None) -> T:
         """As ``Future.result``; raises DEADLOCK (ShmBrokerError) from a completion callback of its client."""

@@ -47,7 +47,8 @@ from shmbroker.client.links import Link
 POLL_SLICE_MS = 10  # a leader checks this often whether the IO thread needs the sockets back
 # A watched role: the parked IO thread looks every WATCH_MS while requests that no leader waits for are in
 # flight, and takes the role back once no caller has led for WATCH_S. A Futures loop comes back within
-# microseconds; a Future waited on by other means is answered at most about WATCH_MS + WATCH_S later. Looks
+# microseconds; a Future waited on with concurrent.futures.wait (a done-callback unparks the IO thread at once,
+# client.future) is answered at most about WATCH_MS + WATCH_S later. Looks
 # are rare because each one takes the GIL from the running Futures loop (bench/RESULTS.md#client-apis).
 WATCH_MS = 10
 WATCH_S = 0.002

@@ -4,6 +4,7 @@ Future waited on by other means is still sent and answered; waiting inside a com
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 
 import numpy as np
@@ -32,20 +33,42 @@ def test_a_futures_loop_gets_every_answer_right(broker: RunningBroker) -> None:
 
 def test_futures_waited_on_without_result_are_sent_and_answered(broker: RunningBroker) -> None:
     """After a thread waited in a Future's result(), its next submits are queued for its next wait. A thread that
-    waits with concurrent.futures.wait or a done-callback instead still gets every answer: the IO thread sends
-    the queued SUBMITs and takes the receive role back (client.lead, WATCH_MS)."""
+    then waits with concurrent.futures.wait instead still gets every answer: the IO thread sends the queued
+    SUBMITs and takes the receive role back (client.lead, WATCH_MS)."""
     rng = np.random.default_rng(5)
     xs = [rng.standard_normal((1, 256), dtype=np.float32) for _ in range(10)]
-    called = threading.Event()
     with Client(slots=16) as c:
         first = [c.submit("tiny", x) for x in xs[:2]]  # one left in flight while this thread leads
         np.testing.assert_allclose(arr(first[0].result(20)), direct("tiny", xs[0]), rtol=0, atol=1e-5)
         futs = first[1:] + [c.submit("tiny", x) for x in xs[2:]]
-        futs[-1].add_done_callback(lambda _f: called.set())
         _done, not_done = wait(futs, timeout=20)
-        assert not not_done and called.wait(20)
+        assert not not_done
         for x, f in zip(xs[1:], futs, strict=True):
             np.testing.assert_allclose(arr(f.result(0)), direct("tiny", x), rtol=0, atol=1e-5)
+
+
+def test_done_callbacks_run_with_the_answers_after_a_result(broker: RunningBroker) -> None:
+    """A done-callback added after the thread led hands receiving to the IO thread, which runs it with the
+    answer; callbacks added to Futures already done run at once."""
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal((1, 256), dtype=np.float32) for _ in range(6)]
+    got: dict[int, np.ndarray] = {}
+    all_in = threading.Event()
+
+    def keep(i: int) -> Callable[[Future[Outputs]], None]:
+        def done(f: Future[Outputs]) -> None:
+            got[i] = arr(f.result(0))
+            if len(got) == len(xs) - 1:
+                all_in.set()
+        return done
+
+    with Client(slots=16) as c:
+        c.submit("tiny", xs[0]).result(20)  # this thread led: its next submits are queued
+        for i, x in enumerate(xs[1:], 1):
+            c.submit("tiny", x).add_done_callback(keep(i))
+        assert all_in.wait(20)
+    for i in range(1, len(xs)):
+        np.testing.assert_allclose(got[i], direct("tiny", xs[i]), rtol=0, atol=1e-5)
 
 
 def test_a_callback_that_waits_on_a_future_is_refused(broker: RunningBroker) -> None:
