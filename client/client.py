@@ -161,9 +161,8 @@ class Client:
         self._send(slot, plan, views, timeout, functools.partial(self._resolve, fut, plan, slot, views), True,
                    defer=role.led_last())
         # after the send: an IO thread that starts to doze from now on sees this request (client.lead)
-        if role.parked and role.dozing and not role.leading():
-            self._links.flush_all()
-            role.unpark()
+        if role.dozing:
+            self._receiver_needed()
         return fut
 
     def call(self, model: str, inputs: Inputs, callback: Callback, timeout: float | None = None) -> None:
@@ -435,10 +434,13 @@ class Client:
                 link.close()
         log.warning("session %d: the broker is gone; waiting for it to come back", self.session_id)
 
-    def _take_session(self, now: float) -> None:
+    def _take_session(self) -> None:
         """While lost and the broker listens: a new session, swapped in whole, or another try after RETRY_S."""
         r = self._rejoin
-        if not (r.lost and r.connected and now >= r.retry_at):
+        if not (r.lost and r.connected):
+            return
+        now = time.monotonic()
+        if now < r.retry_at:
             return
         r.retry_at = now + RETRY_S
         try:

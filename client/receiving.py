@@ -52,7 +52,7 @@ class Receiver:
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], ctl: zmq.Socket[bytes], ctl_monitor: zmq.Socket[bytes],
                  links: Links, slots: Slots, spin_us: int, segment: Callable[[], Segment],
-                 broker_events: Callable[[], None], tick: Callable[[float], None], name: str) -> None:
+                 broker_events: Callable[[], None], tick: Callable[[], None], name: str) -> None:
         self._ctl = ctl
         self._ctl_monitor = ctl_monitor  # polled here; read by ``broker_events``
         self._links = links
@@ -67,6 +67,9 @@ class Receiver:
         self._wake_tx.connect(addr)
         self._wake_lock = threading.Lock()
         self.role = ReceiveRole(self.wake, spin_us, IO_SPIN_REACH)
+        # made once: a leader (every infer() and awaited Future) is handed these
+        self._link_snapshot: Callable[[], tuple[Link, ...]] = lambda: links.current
+        self._any_pending: Callable[[], bool] = lambda: bool(slots.pending)
         self._spin = SpinPolicy(spin_us * 1000, reach=IO_SPIN_REACH)  # when the IO thread polls without sleeping
         self.stop_event = threading.Event()
         self.drained: threading.Event | None = None  # set once nothing is in flight, while close() waits
@@ -77,8 +80,7 @@ class Receiver:
         """Receive on this thread until ``fut`` is done or ``until`` (client.lead); with ``slot``, a spinning
         wait also reads that slot's answer from its header."""
         peek = (lambda: self.answered_in_slot(slot)) if slot is not None and SLOT_ANSWERS else None
-        self.role.lead(fut, until, lambda: self._links.current, self.drain, lambda: bool(self._slots.pending),
-                       peek, linger)
+        self.role.lead(fut, until, self._link_snapshot, self.drain, self._any_pending, peek, linger)
 
     def on_io_thread(self) -> bool:
         return threading.current_thread() is self.thread
@@ -139,7 +141,7 @@ class Receiver:
                             self._wake_rx.recv(zmq.NOBLOCK)
                 if self._ctl_monitor in events:
                     self._broker_events()  # (5)
-                self._tick(time.monotonic())
+                self._tick()
                 if self.drained is not None and not self._slots.pending:
                     self.drained.set()  # (6) close() waits for this
         except zmq.ContextTerminated:
