@@ -5,7 +5,8 @@ slot's context, as the worker builds them; ``enqueue(b)`` back to back on one st
 at each batch size from 1 up to the sweep's end (powers of two, 256 by default, whatever the config's
 max_batch, and max_batch itself; an inductor package's own buckets up to its largest). Inputs stay on the
 device: this is what the GPU can do with the model, with no copies at all. The best images/s over the sweep is
-the limit; the time of one max batch is the compute term of the p99 target.
+the limit; the time of one max batch is the compute term of the p99 target. Then one batch-1 request at a
+time with its copies from page-locked memory and a wait for its end: the yardstick of a lone request.
 
 Copies: what one batch's gather costs, one ``cudaMemcpyAsync`` per request or one ``cudaMemcpyBatchAsync``
 per batch, from a registered ring segment into a device buffer (inputs), and back (outputs), timed on the
@@ -24,10 +25,12 @@ from shmbroker.broker.common.config import Config
 from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
 from shmbroker.gpu_worker import cuda, model_source
 from shmbroker.gpu_worker.engines import load_engine
-from shmbroker.gpu_worker.engines.base import DeviceEngine
+from shmbroker.gpu_worker.engines.base import DeviceContext, DeviceEngine
 
 COPY_COUNTS = (1, 8, 32)
 COPY_REPS = 50
+LONE_RUNS = 300
+LONE_WARMUP = 20
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -76,6 +79,8 @@ def limit(cfg: Config, model: str, device: int, duration_s: float, progress: Pro
             by_batch[str(b)] = {"runs": n, "ms_per_batch": round(ms / n, 4),
                                 "items_per_s": round(n * b / (ms / 1e3), 1)}
             progress.tick(f"batch {b}: {ms / n:.3f} ms, {n * b / (ms / 1e3):,.0f} images/s")
+        lone = _lone(engine, ctx, stream, end)
+        progress.tick(f"one request at a time, copies included: p50 {lone['p50_ms']:.3f} ms")
         ctx.close()
         stream.close()
         best = max(by_batch, key=lambda k: by_batch[k]["items_per_s"])
@@ -95,8 +100,36 @@ def limit(cfg: Config, model: str, device: int, duration_s: float, progress: Pro
         "cuda_graphs": mc.cuda_graphs,
         "graph_sizes": graph_sizes, "load_s": round(load_s, 2), "context_s": round(context_s, 2),
         "by_batch": by_batch, "best_batch": int(best), "items_per_s": by_batch[best]["items_per_s"],
-        "max_batch": mc.max_batch, "max_batch_ms": max_ms, "concurrent_streams": concurrent,
+        "max_batch": mc.max_batch, "max_batch_ms": max_ms, "concurrent_streams": concurrent, "lone": lone,
     }
+
+
+def _lone(engine: DeviceEngine, ctx: DeviceContext, stream: cuda.Stream, end: cuda.Event,
+          runs: int = LONE_RUNS) -> Figures:
+    """One batch-1 request at a time, as an application holding the engine would run it: H2D of its inputs
+    from page-locked memory, ``enqueue(1)``, D2H of its outputs, wait for the end; wall-clock per request.
+    The yardstick of a lone request through the broker (which adds the rings, sockets and threads)."""
+    ins = [cuda.host_alloc_pinned(s.item_bytes) for s in engine.inputs]
+    outs = [cuda.host_alloc_pinned(s.item_bytes) for s in engine.outputs]
+    h = stream.handle
+    try:
+        times = []
+        for i in range(runs + LONE_WARMUP):
+            t0 = time.perf_counter()
+            for src, dst, s in zip(ins, ctx.input_ptrs, engine.inputs, strict=True):
+                cuda.memcpy_async(dst, src, s.item_bytes, "h2d", h)
+            ctx.enqueue(1)
+            for dst, src, s in zip(outs, ctx.output_ptrs, engine.outputs, strict=True):
+                cuda.memcpy_async(dst, src, s.item_bytes, "d2h", h)
+            end.record(stream)
+            end.synchronize()
+            if i >= LONE_WARMUP:
+                times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        for ptr in ins + outs:
+            cuda.free_host(ptr)
+    times.sort()
+    return {"runs": runs, "p50_ms": round(statistics.median(times), 4), "p99_ms": round(times[int(0.99 * runs)], 4)}
 
 
 def _concurrent(engine: DeviceEngine, streams: int, max_batch: int, single_ms: float, duration_s: float) -> Figures:

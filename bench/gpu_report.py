@@ -6,6 +6,8 @@ from typing import Any
 
 from shmbroker.bench.common import Figures
 
+LONE_SLACK_MS = 0.3  # what a lone request through the broker may add to one request at a time in-process
+
 
 def _get(m: dict[str, Figures], *path: str) -> float | None:
     cur: Any = m
@@ -29,6 +31,9 @@ def targets(m: dict[str, Figures], classic: Figures | None = None) -> dict[str, 
     max_ms, delay_ms = _get(m, "limit", "max_batch_ms"), _get(m, "broker", "max_queue_delay_ms")
     p99_ms = _get(m, "broker", "latency", "p99_us")
     bound = None if max_ms is None or delay_ms is None else 4 * max_ms + delay_ms
+    lone_a, lone_c = _get(m, "limit", "lone", "p50_ms"), _get(m, "broker", "latency", "p50_us")
+    lone = _get(m, "broker", "clients") == 1 and _get(m, "broker", "in_flight_per_client") == 1
+    lone_bound = None if lone_a is None else lone_a + LONE_SLACK_MS
     return {
         "c_over_a": _target(None if c is None or not a else c / a, ">=", 0.9,
                             "(c) shmbroker images/s over (a) the engine's in-process limit at its best batch size"),
@@ -42,6 +47,11 @@ def targets(m: dict[str, Figures], classic: Figures | None = None) -> dict[str, 
         "p99_ms_c": {**_target(None if p99_ms is None else p99_ms / 1e3, "<=", round(bound, 3) if bound else 0.0,
                                "p99 latency of (c) in ms, against 4 x one max batch's compute + max_queue_delay"),
                      "bound_ms": None if bound is None else round(bound, 3)},
+        "p50_ms_lone": {**_target(lone_c / 1e3 if lone and lone_c is not None else None, "<=",
+                                  round(lone_bound, 3) if lone_bound else 0.0,
+                                  "with 1 process x 1 in flight: p50 of (c) in ms, against (a)'s one request at a "
+                                  f"time with its copies + {LONE_SLACK_MS} ms"),
+                        "bound_ms": None if lone_bound is None else round(lone_bound, 3)},
     }
 
 

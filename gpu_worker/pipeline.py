@@ -1,11 +1,14 @@
 """The GPU runner: one model's batches go through a pool of stream slots, several in flight at once.
 
 Runner thread, per batch: (1) take a free stream slot, then a batch (while every slot is busy, requests
-keep queueing, so batches grow with the load); (2) answer the expired; (3) gather: async H2D of each
+keep queueing, so batches grow with the load); while the device is idle the intake thread launches a due
+batch itself (``try_inline``), so a lone request waits for no thread's wake-up; (2) answer the expired;
+(3) gather: async H2D of each
 request from its registered ring slot straight into its rows of the slot's device input buffer; (4) enqueue
 the engine on the slot's stream; (5) async D2H of each request's rows straight into its own ring slot;
 (6) record the end event and hand the slot to the completion thread. Completion thread: (7) wait for each
-batch's end event in launch order, mark its slots DONE and send DONE (``runner.complete_ok``, the same
+batch's end event in launch order (polling a lone short batch's, sleeping in the driver on any other), mark
+its slots DONE and send DONE (``runner.complete_ok``, the same
 code the CPU runner uses), feed the stage histograms, return the stream slot.
 
 Nothing on this path allocates device or page-locked memory: the contexts' buffers are made at start and
@@ -15,6 +18,7 @@ the rings are registered once per session (``WorkerSession.ensure_registered``).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -37,6 +41,9 @@ log = logging.getLogger(__name__)
 STAGES = ("queue", "h2d", "compute", "d2h", "answer")
 POLL_S = 0.5  # how often a waiting runner looks at its stop flag
 BATCHED_COPIES = False  # until warm_up has measured which way of issuing copies costs this thread less
+# A lone batch expected to take at most this long has its end event polled: the driver's blocking wait wakes
+# the completion thread 100-200 us after the device ends (bench/RESULTS.md#a-lone-request-on-the-h200).
+POLL_END_MAX_MS = 2.0
 
 
 class PipelineRunner(BatchRunner):
@@ -54,6 +61,8 @@ class PipelineRunner(BatchRunner):
         self._free: queue.SimpleQueue[StreamSlot] = queue.SimpleQueue()
         self._launched: queue.SimpleQueue[StreamSlot | None] = queue.SimpleQueue()
         self._completer = threading.Thread(target=self._complete_loop, name=f"complete-{model.name}", daemon=True)
+        self._launching = threading.Lock()  # one launch at a time: the runner thread's or the intake's
+        self._on_device = threading.local()  # threads that made this runner's device current
         self.slots: list[StreamSlot] = []
         try:
             for i in range(streams):
@@ -64,12 +73,44 @@ class PipelineRunner(BatchRunner):
         for slot in self.slots:
             self._free.put(slot)
         self.max_batch_ms: float | None = None  # compute time of one max batch, measured by warm_up
+        self.one_row_ms: float | None = None  # and of one row
         self.copy_probe: dict[str, float | bool] = {}
 
     @property
     def cheap(self) -> bool:
-        """Never: a GPU batch is not run on the IO thread, whatever its time (launches would stall intake)."""
-        return False
+        """While no batch runs: the intake thread then launches a due batch itself (tens of microseconds of
+        issuing, no wait for the device) rather than wake the runner thread. Under load, never: launches of
+        large batches would stall intake, and the runner thread's wake-up is hidden behind running batches."""
+        return self.batcher.running == 0
+
+    def try_inline(self) -> bool:
+        """Launch a due batch from the caller's (intake) thread while the device is idle and a stream slot free;
+        otherwise leave it to the runner thread (woken here)."""
+        if self.batcher.running or not self._launching.acquire(blocking=False):
+            self.batcher.kick()
+            return False
+        try:
+            try:
+                slot = self._free.get_nowait()
+            except queue.Empty:
+                self.batcher.kick()
+                return False
+            take = self.batcher.take_now()
+            if take is None:
+                self._free.put(slot)
+                self.batcher.kick()  # queued but not due: the runner waits out max_queue_delay_us
+                return False
+            self._use_device()
+            self._launch(slot, take)
+            return True
+        finally:
+            self._launching.release()
+
+    def _use_device(self) -> None:
+        """Make the runner's device current on the calling thread (once per thread: it is per thread)."""
+        if not getattr(self._on_device, "set", False):
+            cuda.set_device(self.device)
+            self._on_device.set = True
 
     def start(self) -> None:
         self._completer.start()
@@ -104,24 +145,19 @@ class PipelineRunner(BatchRunner):
                 slot.ctx.enqueue(rows)
             slot.stream.synchronize()
         slot = self.slots[0]
-        times = []
-        for _ in range(3):
-            slot.start.record(slot.stream)
-            slot.ctx.enqueue(self.model.max_batch)
-            slot.end.record(slot.stream)
-            slot.end.synchronize()
-            times.append(cuda.elapsed_ms(slot.start, slot.end))
-        self.max_batch_ms = sorted(times)[1]
+        self.one_row_ms = _median_ms(slot, 1)
+        self.max_batch_ms = _median_ms(slot, self.model.max_batch)
         self.copy_probe = probe_batched_copies(slot, self.model.inputs[0].item_bytes, self.model.max_batch)
         self.copies.batched = bool(self.copy_probe["batched"])
-        log.info("model %s: %d stream slots warm; one batch of %d rows computes in %.3f ms; copies of a batch "
-                 "issued %s (%s)", self.model.name, len(self.slots), self.model.max_batch, self.max_batch_ms,
+        log.info("model %s: %d stream slots warm; one row computes in %.3f ms, a batch of %d rows in %.3f ms; "
+                 "copies of a batch issued %s (%s)", self.model.name, len(self.slots), self.one_row_ms,
+                 self.model.max_batch, self.max_batch_ms,
                  "in one cudaMemcpyBatchAsync" if self.copies.batched else "one call per tensor", self.copy_probe)
 
     # -- runner thread -------------------------------------------------------------------------------------
     def _loop(self) -> None:
         proc.name_thread(self._thread.name)
-        cuda.set_device(self.device)  # the current device is per thread
+        self._use_device()
         while not self._stop.is_set():
             try:
                 slot = self._free.get(timeout=POLL_S)  # (1) a free stream slot first: batches grow meanwhile
@@ -131,7 +167,8 @@ class PipelineRunner(BatchRunner):
             if take is None:
                 self._free.put(slot)
                 continue
-            self._launch(slot, take)
+            with self._launching:
+                self._launch(slot, take)
 
     def _launch(self, slot: StreamSlot, take: Take[Work]) -> None:
         self.answer_timed_out(take)  # (2)
@@ -191,7 +228,7 @@ class PipelineRunner(BatchRunner):
                 return
             works, slot.works = slot.works, []
             try:
-                slot.end.synchronize()
+                self._wait_end(slot)
             except cuda.CudaError as exc:
                 self.fail(works, exc)
                 self._finished(slot)
@@ -199,6 +236,24 @@ class PipelineRunner(BatchRunner):
             complete_ok(self.codec, self.counters, works)  # answers first, statistics after
             self._record_stages(slot)  # reads the clock for "answer": right after the DONEs
             self._finished(slot)
+
+    def _wait_end(self, slot: StreamSlot) -> None:
+        """Return once the slot's batch has ended on the device. A lone batch expected within
+        ``POLL_END_MAX_MS`` is polled, giving the core away between polls, for up to twice its expected time;
+        any other (or one that overruns) waits asleep in the driver."""
+        expected = self.expected_ms(slot.rows)
+        lone = self.batcher.running == 1 and expected is not None and expected <= POLL_END_MAX_MS
+        if lone and expected is not None and _poll(slot.end, slot.launched + 2 * expected / 1e3 + 1e-3):
+            return
+        slot.end.synchronize()
+
+    def expected_ms(self, rows: int) -> float | None:
+        """A batch's device time for ``rows`` rows, interpolated between warm-up's one-row and max-batch times."""
+        one, most = self.one_row_ms, self.max_batch_ms
+        if one is None or most is None:
+            return None
+        span = max(1, self.model.max_batch - 1)
+        return one + (most - one) * (rows - 1) / span
 
     def _record_stages(self, slot: StreamSlot) -> None:
         try:
@@ -210,3 +265,25 @@ class PipelineRunner(BatchRunner):
         self.stages["compute"].add(compute * 1e3)
         self.stages["d2h"].add(d2h * 1e3)
         self.stages["answer"].add(max(0.0, (time.monotonic() - slot.launched) * 1e6 - (h2d + compute + d2h) * 1e3))
+
+
+def _poll(event: cuda.Event, until: float) -> bool:
+    """Poll ``event`` until it completes (True) or ``time.monotonic()`` passes ``until`` (False)."""
+    query, clock = event.query, time.monotonic
+    while not query():
+        if clock() > until:
+            return False
+        os.sched_yield()  # lets go of the GIL and the core for any thread that is ready
+    return True
+
+
+def _median_ms(slot: StreamSlot, rows: int) -> float:
+    """Median of three event-timed runs of ``rows`` rows on the slot's stream."""
+    times = []
+    for _ in range(3):
+        slot.start.record(slot.stream)
+        slot.ctx.enqueue(rows)
+        slot.end.record(slot.stream)
+        slot.end.synchronize()
+        times.append(cuda.elapsed_ms(slot.start, slot.end))
+    return sorted(times)[1]

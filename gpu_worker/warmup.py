@@ -15,7 +15,8 @@ def prime(runner: BatchRunner) -> None:
     """Warm a model up before READY: the engine (outputs checked, one-row time measured), then the runner's
     own resources (a GPU pipeline runs each stream slot's context at 1 and ``max_batch`` rows).
 
-    The one-row time primes the inline choice of a host engine; a GPU runner is never inline, however cheap.
+    The one-row time primes the inline choice of a host engine; a GPU runner launches inline only while its
+    device is idle, whatever the time.
     """
     runner.avg_run_s = warm_up(runner.engine, runner.model)
     runner.warm_up()

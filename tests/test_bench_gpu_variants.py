@@ -45,3 +45,14 @@ def test_targets_compare_each_engine_with_its_own_best_batch() -> None:
     assert t["p99_ms_c"]["bound_ms"] == 3.8 and t["p99_ms_c"]["pass"]  # 4 x 0.7 ms + the 1 ms delay
     assert not gpu_report.targets({"limit": limit, "broker": {**broker, "per_s": 35_000.0}})["c_over_a"]["pass"]
     assert gpu_report.targets({"limit": limit}, None)["c_over_a"]["value"] is None
+
+
+def test_the_lone_target_reads_only_a_run_of_one_request_at_a_time() -> None:
+    limit = {"items_per_s": 2_000.0, "lone": {"p50_ms": 0.62}}
+    lone_run = {"per_s": 900.0, "clients": 1, "in_flight_per_client": 1, "latency": {"p50_us": 880.0}}
+    t = gpu_report.targets({"limit": limit, "broker": lone_run})["p50_ms_lone"]
+    assert t["bound_ms"] == 0.92 and t["value"] == 0.88 and t["pass"]  # 0.62 ms in-process + 0.3 ms
+    slow = gpu_report.targets({"limit": limit, "broker": {**lone_run, "latency": {"p50_us": 1_000.0}}})
+    assert not slow["p50_ms_lone"]["pass"]
+    loaded = gpu_report.targets({"limit": limit, "broker": {**lone_run, "clients": 16}})["p50_ms_lone"]
+    assert loaded["value"] is None and not loaded["pass"]
