@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import CancelledError, Future, wait
 
 import numpy as np
+import pytest
 
 from shmbroker.client import Client
 from shmbroker.client.client import Outputs
 from shmbroker.client.errors import ShmBrokerError
+from shmbroker.client.future import ClientFuture
 from tests.conftest import RunningBroker, arr
 from tests.models import direct
 
@@ -92,3 +94,32 @@ def test_a_callback_that_waits_on_a_future_is_refused(broker: RunningBroker) -> 
         assert done.wait(20)
         np.testing.assert_allclose(arr(inner[0].result(20)), direct("tiny", x), rtol=0, atol=1e-5)
     assert [e.code for e in errors] == ["DEADLOCK"]
+
+
+def test_done_and_result_read_without_the_lock_agree_with_the_standard_future() -> None:
+    """ClientFuture's lock-free done() and result() report what a plain Future reports, in every final state."""
+    def never(_fut: Future[object], timeout: float | None) -> float | None:
+        return timeout
+
+    def futures() -> tuple[ClientFuture[object], Future[object]]:
+        return ClientFuture(never, lambda: None), Future()
+
+    ok, plain = futures()
+    assert not ok.done() and not plain.done()
+    for f in (ok, plain):
+        f.set_result({"y": 1})
+    assert ok.done() and ok.result(0) == plain.result(0) == {"y": 1}
+
+    failed, plain = futures()
+    for f in (failed, plain):
+        f.set_exception(ShmBrokerError("model 'tiny' has 9 requests queued", "OVERLOADED"))
+    assert failed.done() and plain.done()
+    for f in (failed, plain):
+        with pytest.raises(ShmBrokerError, match="OVERLOADED"):
+            f.result(0)
+
+    cancelled, plain = futures()
+    assert cancelled.cancel() and plain.cancel()
+    assert cancelled.done() and plain.done() and cancelled.cancelled()
+    with pytest.raises(CancelledError):
+        cancelled.result(0)
