@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU acceptance on the GPU machine, in one call: the GPU tests, then the GPU bench at the given
-# in-flight counts (16 client processes each). Prints a short table at the end; logs and JSON go to $OUT.
+# in-flight counts (16 client processes each), then one request at a time (1 process, 1 in flight). Prints a
+# short table at the end; logs and JSON go to $OUT. BENCH_ARGS adds options to every bench run.
 #   bash bench/h200_acceptance.sh 8 7        (after installing the carried wheels, see ../shared/device)
+#   BENCH_ARGS="--quick --max-batch 256 --streams 4" bash bench/h200_acceptance.sh 96
 #   INDUCTOR=out/open-nsfw.fp16.inductor.pt2 bash bench/h200_acceptance.sh 8    (eager and inductor columns)
 set -uo pipefail
 out=${OUT:-/tmp/h200}
@@ -11,22 +13,27 @@ engines=()
 [ -n "${INDUCTOR:-}" ] && engines=(--engines torch,inductor --inductor "$INDUCTOR")
 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu tests/test_engines_gpu_errors.py 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
+read -r -a extra <<< "${BENCH_ARGS:-}"
 for n in "$@"; do
   python3 -m shmbroker.bench.gpu --json --out "$out/bench_if$n.json" --in-flight "$n" --log-dir "$out/logs_if$n" \
-    "${engines[@]}" > "$out/bench_if$n.txt" 2>&1
+    "${engines[@]}" "${extra[@]}" > "$out/bench_if$n.txt" 2>&1
   echo "bench in-flight $n: exit $?"
 done
+python3 -m shmbroker.bench.gpu --json --out "$out/bench_lone.json" --only limit,broker --processes 1 --in-flight 1 \
+  "${engines[@]}" "${extra[@]}" > "$out/bench_lone.txt" 2>&1
+echo "bench one request at a time: exit $?"
 echo
 echo "== summary =="
 tail -n 1 "$out/gpu_tests.log"
 echo "gpu tests exit code: $tests_rc"
-python3 - "$out" "$@" <<'PY'
+python3 - "$out" "$@" lone <<'PY'
 import json, sys
 out, counts = sys.argv[1], sys.argv[2:]
-print(f"{'in flight':>9} {'engine':>9} {'(a) img/s':>10} {'(c) img/s':>10} {'c/a':>6} {'GPU %':>6} {'p99 ms':>7} {'bound':>7}")
+print(f"{'in flight':>9} {'engine':>9} {'(a) img/s':>10} {'(c) img/s':>10} {'c/a':>6} {'GPU %':>6} {'p99 ms':>7} "
+      f"{'bound':>7} {'p50 ms':>7} {'lone bound':>10}")
 for n in counts:
     try:
-        doc = json.load(open(f"{out}/bench_if{n}.json"))
+        doc = json.load(open(f"{out}/bench_{'' if n == 'lone' else 'if'}{n}.json"))
     except (OSError, ValueError) as exc:
         print(f"{n:>9} no result: {exc}")
         continue
@@ -38,6 +45,7 @@ for n in counts:
         a = m.get("limit", {}).get("items_per_s")
         c = m.get("broker", {}).get("per_s")
         print(f"{n:>9} {engine:>9} {a!s:>10.10} {c!s:>10.10} {val('c_over_a')!s:>6.6} "
-              f"{val('gpu_busy_pct_c')!s:>6.6} {val('p99_ms_c')!s:>7.7} {val('p99_ms_c', 'target')!s:>7.7}")
+              f"{val('gpu_busy_pct_c')!s:>6.6} {val('p99_ms_c')!s:>7.7} {val('p99_ms_c', 'target')!s:>7.7} "
+              f"{val('p50_ms_lone')!s:>7.7} {val('p50_ms_lone', 'target')!s:>10.10}")
     print(f"{'':>9} failures: {doc.get('failures')}")
 PY
