@@ -7,6 +7,7 @@ validated config as JSON on its stdin, so the worker serves exactly what the bro
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 import threading
@@ -24,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runtime-dir", required=True)
     ap.add_argument("--restarts", type=int, default=0)
     args = ap.parse_args(argv)
+    # a crash in native code (an engine's library, a driver) prints every thread's Python stack to stderr,
+    # which is the broker's log; the broker then names the signal
+    faulthandler.enable()
     proc.die_with_parent()
     parent = os.getppid()
     cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=Config)

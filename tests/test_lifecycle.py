@@ -121,6 +121,24 @@ def test_dead_worker_is_restarted_and_clients_are_told(process_broker) -> None:
         assert b.stats().workers[0].restarts == 1
 
 
+def test_a_worker_crash_in_native_code_is_named_with_its_python_stack(process_broker) -> None:
+    """A worker killed by SIGSEGV (as a crash in an engine's library would): its fault handler prints the Python
+    stack of every thread to the broker's log, the broker names the signal, and a restart serves again."""
+    b = process_broker
+    with Client(b.runtime_dir) as c:
+        c.infer("tiny", X)
+        (worker,) = b.worker_pids()
+        slow = [c.submit("nsfw", np.zeros((1, 224, 224, 3), np.float32)) for _ in range(3)]
+        os.kill(worker, signal.SIGSEGV)
+        assert any(isinstance(f.exception(30), WorkerDied) for f in slow)  # the client saw it go
+        c.wait_ready("tiny", timeout=60)
+        np.testing.assert_allclose(arr(c.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
+    log = b.log_path.read_text(errors="replace")
+    assert "Fatal Python error: Segmentation fault" in log, log[-3000:]
+    assert "worker 0 down (the worker exited on signal SIGSEGV (11): a crash in native code" in log, log[-3000:]
+    assert b.stats().workers[0].restarts == 1
+
+
 def test_bad_config_is_refused_with_the_key(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.toml"
     cfg.write_text('[models.tiny]\npath = "builtin:tiny"\nmax_batch = "many"\n')

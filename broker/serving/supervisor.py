@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import signal
 import subprocess
 import sys
 import threading
@@ -50,9 +51,24 @@ class Launch(Protocol):
     def pid(self) -> int: ...
 
 
+# signals of a crash in native code: the worker's fault handler has printed its Python stack to the log
+_CRASHES = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
+
+
 def _exit_code(launch: Launch) -> str:
+    """How the worker ended, for a message: " with code N", or " on signal SIGSEGV (11)" for a signal."""
     code = getattr(launch, "returncode", None)
-    return f" with code {code}" if code is not None else ""
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "signal"
+        crash = ": a crash in native code, its stack is in the log above" if -code in _CRASHES else ""
+        return f" on signal {name} ({-code}){crash}"
+    return f" with code {code}"
+
 
 
 class ProcessLaunch:
