@@ -3,12 +3,11 @@
 Runner thread, per batch: (1) take a free stream slot, then a batch (while every slot is busy, requests
 keep queueing, so batches grow with the load); while the device is idle the intake thread launches a due
 batch itself (``try_inline``), so a lone request waits for no thread's wake-up; (2) answer the expired;
-(3) gather: async H2D of each
-request from its registered ring slot straight into its rows of the slot's device input buffer; (4) enqueue
-the engine on the slot's stream; (5) async D2H of each request's rows straight into its own ring slot;
-(6) record the end event and hand the slot to the completion thread. Completion thread: (7) wait for each
-batch's end event in launch order (polling a lone short batch's, sleeping in the driver on any other), mark
-its slots DONE and send DONE (``runner.complete_ok``, the same
+(3) gather: async H2D of each request from its registered ring slot straight into its rows of the slot's
+device input buffer; (4) enqueue the engine on the slot's stream; (5) async D2H of each request's rows
+straight into its own ring slot; (6) record the end event and hand the slot to the completion thread.
+Completion thread: (7) wait for each batch's end event in launch order (polling a lone short batch's,
+sleeping in the driver on any other), mark its slots DONE and send DONE (``runner.complete_ok``, the same
 code the CPU runner uses), feed the stage histograms, return the stream slot.
 
 Nothing on this path allocates device or page-locked memory: the contexts' buffers are made at start and
