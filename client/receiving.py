@@ -255,9 +255,7 @@ class Receiver:
             if (status or first > n_t or count != len(lay.out_descs) or count > n_t - first
                     or not body.startswith(lay.out_desc_bytes, t_base + t_size * first)):
                 return False
-            del pending[slot]
-            link.outstanding -= 1
-            p.on_done(lay.ok)
+            self._finish(slot, p, link, lay.ok)
         return True
 
     def answered_in_slot(self, slot: int) -> bool:

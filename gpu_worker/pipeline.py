@@ -241,8 +241,8 @@ class PipelineRunner(BatchRunner):
         ``POLL_END_MAX_MS`` is polled, giving the core away between polls, for up to twice its expected time;
         any other (or one that overruns) waits asleep in the driver."""
         expected = self.expected_ms(slot.rows)
-        lone = self.batcher.running == 1 and expected is not None and expected <= POLL_END_MAX_MS
-        if lone and expected is not None and _poll(slot.end, slot.launched + 2 * expected / 1e3 + 1e-3):
+        if (self.batcher.running == 1 and expected is not None and expected <= POLL_END_MAX_MS
+                and _poll(slot.end, slot.launched + 2 * expected / 1e3 + 1e-3)):
             return
         slot.end.synchronize()
 
