@@ -69,6 +69,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the model's max_batch in (c), instead of the config's")
     ap.add_argument("--streams", type=int, default=0, metavar="N",
                     help="the model's stream slots in (c), instead of the config's")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="model_options",
+                    help=f"a key of [models.{MODEL}] in (c), instead of the config's (repeatable; say "
+                         "serial_compute=true)")
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,8 @@ def columns(cfg: config.Config, args: argparse.Namespace, workdir: Path) -> list
     out = []
     for name in names:
         try:
-            variant = gpu_variants.engine_config(cfg, MODEL, name, package, args.max_batch, args.streams)
+            options = gpu_variants.parse_options(getattr(args, "model_options", []))
+            variant = gpu_variants.engine_config(cfg, MODEL, name, package, args.max_batch, args.streams, options)
         except config.ConfigError as exc:
             raise SystemExit(str(exc)) from None
         out.append(Column(name, variant, gpu_variants.write(variant, workdir / f"{name}.toml")))

@@ -192,6 +192,8 @@ def stage_figures(before: P.StatsReply, after: P.StatsReply, model: str, seconds
     items = sum(int(k) * v for k, v in a.batch_items.items()) - sum(int(k) * v for k, v in b.batch_items.items())
     out["batches"] = batches
     out["mean_batch"] = round(items / batches, 2) if batches else None
+    sizes = {k: v - b.batch_items.get(k, 0) for k, v in a.batch_items.items()}
+    out["batch_sizes"] = {k: n for k, n in sorted(sizes.items(), key=lambda kv: int(kv[0])) if n}
     out["seconds"] = round(seconds, 2)
     return out
 

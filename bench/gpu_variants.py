@@ -4,6 +4,7 @@ that the bench's broker reads."""
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +12,10 @@ from shmbroker.broker.common import config
 
 
 def engine_config(cfg: config.Config, model: str, engine: str, package: str = "", max_batch: int = 0,
-                  streams: int = 0) -> config.Config:
+                  streams: int = 0, options: dict[str, Any] | None = None) -> config.Config:
     """``cfg`` with ``model`` on ``engine``: "torch" runs the config's ONNX file, "inductor" the package at
-    ``package``; ``max_batch`` and ``streams`` (when not 0) replace the model's. ConfigError names what is
-    missing."""
+    ``package``; ``max_batch`` and ``streams`` (when not 0) and ``options`` (``models.MODEL`` keys) replace
+    the model's. ConfigError names what is missing or wrong."""
     data = config.to_dict(cfg)
     source = str(data.pop("source", ""))
     section: dict[str, Any] = dict(data["models"][model])  # type: ignore[index]
@@ -33,8 +34,24 @@ def engine_config(cfg: config.Config, model: str, engine: str, package: str = ""
         section["max_batch"] = max_batch
     if streams:
         section["streams"] = streams
+    section.update(options or {})
     data["models"] = {model: section}
     return config.parse(data, source or "<bench>")
+
+
+def parse_options(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs, each VALUE read as a TOML value (``true``, ``3``, ``"text"``) or else as text."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise config.ConfigError(f"--set {pair!r}: give KEY=VALUE, a key of the model's section (say "
+                                     "serial_compute=true)")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = raw.strip()
+    return out
 
 
 def _value(v: Any) -> str:

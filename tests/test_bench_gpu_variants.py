@@ -27,6 +27,25 @@ def test_each_engine_config_reads_back_equal(tmp_path: Path) -> None:
         assert back.broker.worker_start_timeout_ms == cfg.broker.worker_start_timeout_ms
 
 
+def test_set_options_reach_the_model_and_read_back(tmp_path: Path) -> None:
+    cfg = config.load(DEFAULT_CONFIG)
+    options = gpu_variants.parse_options(["idle_dispatch=false", "max_queue_delay_us = 500", "fp16=true"])
+    assert options == {"idle_dispatch": False, "max_queue_delay_us": 500, "fp16": True}
+    variant = gpu_variants.engine_config(cfg, MODEL, "torch", options=options)
+    back = config.load(gpu_variants.write(variant, tmp_path / "torch.toml")).models[MODEL]
+    assert (back.idle_dispatch, back.max_queue_delay_us, back.fp16) == (False, 500, True)
+
+
+def test_a_bad_set_option_names_the_key() -> None:
+    cfg = config.load(DEFAULT_CONFIG)
+    with pytest.raises(config.ConfigError, match="KEY=VALUE"):
+        gpu_variants.parse_options(["serial"])
+    with pytest.raises(config.ConfigError, match="no_such_key"):
+        gpu_variants.engine_config(cfg, MODEL, "torch", options=gpu_variants.parse_options(["no_such_key=1"]))
+    with pytest.raises(config.ConfigError, match="max_batch"):
+        gpu_variants.engine_config(cfg, MODEL, "torch", options=gpu_variants.parse_options(["max_batch=zero"]))
+
+
 def test_a_column_without_its_model_file_names_the_option() -> None:
     cfg = config.load(DEFAULT_CONFIG)
     with pytest.raises(config.ConfigError, match="--inductor PATH"):
