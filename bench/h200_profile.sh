@@ -4,6 +4,7 @@
 #   bash bench/h200_profile.sh --engines inductor --inductor PKG --max-batch 128 --in-flight 24
 # Needs py-spy (pip install py-spy). Writes to $OUT: the bench's JSON and table, and py-spy's collapsed stacks
 # (worker.folded, client.folded: one line per stack, "frame;frame;... count"), summed by bench/folded.py.
+# PYSPY_ARGS adds py-spy options: "--gil" samples only the thread that holds the GIL, "--idle" waiting ones too.
 set -uo pipefail
 out=${OUT:-/tmp/h200}
 mkdir -p "$out"
@@ -20,9 +21,10 @@ done
 sleep 4
 worker=$(pgrep -n -x shmb-worker-0) client=$(pgrep -n -x shmb-bench-0)
 echo "worker pid $worker, client pid $client"
-py-spy record --pid "$worker" --duration "$seconds" --rate 500 --format raw --threads --nonblocking \
+read -r -a pyspy_extra <<< "${PYSPY_ARGS:-}"
+py-spy record --pid "$worker" --duration "$seconds" --rate 500 --format raw --threads --nonblocking "${pyspy_extra[@]}" \
   --output "$out/worker.folded" > "$out/pyspy_worker.log" 2>&1 &
-py-spy record --pid "$client" --duration "$seconds" --rate 500 --format raw --threads --nonblocking \
+py-spy record --pid "$client" --duration "$seconds" --rate 500 --format raw --threads --nonblocking "${pyspy_extra[@]}" \
   --output "$out/client.folded" > "$out/pyspy_client.log" 2>&1 &
 wait
 tail -n 30 "$out/profile_bench.txt"
