@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import secrets
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,10 +21,15 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+import zmq
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common import ring
 from shmbroker.broker.common.ask import ask_broker
+from shmbroker.broker.common.peergate import PeerGate
+from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
+from shmbroker.gpu_worker.sessions import WorkerSession
+from shmbroker.gpu_worker.work import Work
 
 CLI = [sys.executable, "-m", "shmbroker.broker.cli"]  # `shmbroker` of this checkout, in a child
 REPO = Path(__file__).resolve().parent.parent
@@ -296,3 +303,38 @@ def process_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
         yield b
     finally:
         b.stop()
+
+
+@contextlib.contextmanager
+def ring_session(tmp_path: Path, n_slots: int = 4) -> Iterator[tuple[WorkerSession, threading.Event]]:
+    """A worker session on a ring of ``n_slots`` slots, all claimed; the event is set once every slot was answered."""
+    layout = RingLayout(session_id=3, n_slots=n_slots, in_capacity=64, out_capacity=64)
+    seg = Segment.create(segment_name("t" + secrets.token_hex(4), 0), layout)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    attach = P.Attach(3, 99, layout.total_bytes, n_slots, layout.slot_stride, 64, 64, 1, os.getuid())
+    gate = PeerGate(ctx)
+    session = WorkerSession(ctx, attach, Segment.from_fd(seg.duplicate(), layout), 0, tmp_path, 0o600, None, gate)
+    all_answered = threading.Event()
+    finish = session.finish
+
+    def finish_and_tell(slots: list[int], state: int, statuses: int | list[int], frames: list[bytes]) -> None:
+        finish(slots, state, statuses, frames)
+        if not session.in_flight:
+            all_answered.set()
+
+    session.finish = finish_and_tell  # type: ignore[method-assign]
+    session.in_flight.update(range(n_slots))
+    try:
+        yield session, all_answered
+    finally:
+        session.close()
+        seg.close()
+        gate.close()
+        ctx.term()
+
+
+def ring_work(session: WorkerSession, slot: int, x: np.ndarray) -> Work:
+    """A checked one-row request of ``x`` (1 x 4 float32) in ``slot`` of ``session``."""
+    session.segment.input_view(slot, 0, x.dtype, x.shape)[...] = x
+    req = P.SubmitRequest(slot + 1, slot, 1, 0, 0, [P.TensorDesc(0, int(P.DType.FP32), 0, 16, (1, 4))])
+    return Work(session, req, 1, time.monotonic() + 5, time.monotonic())

@@ -3,29 +3,20 @@ instances run batches at once, each from its own buffers."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import secrets
 import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import zmq
 
-from shmbroker.broker.common import protocol as P
-from shmbroker.broker.common.peergate import PeerGate
-from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
 from shmbroker.gpu_worker import model_source
 from shmbroker.gpu_worker.batcher import Batcher
 from shmbroker.gpu_worker.engines import load_engine
 from shmbroker.gpu_worker.engines.base import IOSpec
 from shmbroker.gpu_worker.intake import ModelView
 from shmbroker.gpu_worker.runner import INLINE_BELOW_S, ModelRunner
-from shmbroker.gpu_worker.sessions import WorkerSession
 from shmbroker.gpu_worker.warmup import prime
 from shmbroker.gpu_worker.work import ModelCounters, Work
+from tests.conftest import ring_session, ring_work
 
 
 def tiny_runner() -> ModelRunner:
@@ -74,48 +65,14 @@ class _BothAtOnce:
         pass
 
 
-@contextlib.contextmanager
-def _ring_session(tmp_path: Path) -> Iterator[tuple[WorkerSession, threading.Event]]:
-    """A worker session on a ring of 4 slots, all claimed; the event is set once every slot was answered."""
-    layout = RingLayout(session_id=3, n_slots=4, in_capacity=64, out_capacity=64)
-    seg = Segment.create(segment_name("t" + secrets.token_hex(4), 0), layout)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    attach = P.Attach(3, 99, layout.total_bytes, 4, layout.slot_stride, 64, 64, 1, os.getuid())
-    gate = PeerGate(ctx)
-    session = WorkerSession(ctx, attach, Segment.from_fd(seg.duplicate(), layout), 0, tmp_path, 0o600, None, gate)
-    all_answered = threading.Event()
-    finish = session.finish
-
-    def finish_and_tell(slots: list[int], state: int, statuses: int | list[int], frames: list[bytes]) -> None:
-        finish(slots, state, statuses, frames)
-        if not session.in_flight:
-            all_answered.set()
-
-    session.finish = finish_and_tell  # type: ignore[method-assign]
-    session.in_flight.update(range(4))
-    try:
-        yield session, all_answered
-    finally:
-        session.close()
-        seg.close()
-        gate.close()
-        ctx.term()
-
-
-def _work(session: WorkerSession, slot: int, x: np.ndarray) -> Work:
-    session.segment.input_view(slot, 0, x.dtype, x.shape)[...] = x
-    req = P.SubmitRequest(slot + 1, slot, 1, 0, 0, [P.TensorDesc(0, int(P.DType.FP32), 0, 16, (1, 4))])
-    return Work(session, req, 1, time.monotonic() + 5, time.monotonic())
-
-
 def test_two_instances_run_two_batches_at_once_each_from_its_own_inputs(tmp_path: Path) -> None:
     engine = _BothAtOnce()
     view = ModelView(0, "double", 2, engine.inputs, engine.outputs, 5000)
     batcher: Batcher[Work] = Batcher(2, 0, [], 64)
     runner = ModelRunner(view, engine, batcher, ModelCounters(), instances=2)
-    with _ring_session(tmp_path) as (session, all_answered):
+    with ring_session(tmp_path) as (session, all_answered):
         xs = [np.full((1, 4), 10.0 * (slot + 1), np.float32) for slot in range(4)]
-        batcher.put_many([_work(session, slot, x) for slot, x in enumerate(xs)])  # two batches of two
+        batcher.put_many([ring_work(session, slot, x) for slot, x in enumerate(xs)])  # two batches of two
         runner.start()
         answered = all_answered.wait(10)
         runner.stop()
@@ -154,13 +111,13 @@ def test_a_batch_that_runs_alone_uses_every_instances_threads(tmp_path: Path) ->
     view = ModelView(0, "double", 1, own.inputs, own.outputs, 5000)
     batcher: Batcher[Work] = Batcher(1, 0, [], 64)
     runner = ModelRunner(view, own, batcher, ModelCounters(), instances=2, lone=lone)
-    with _ring_session(tmp_path) as (session, all_answered):
+    with ring_session(tmp_path) as (session, all_answered):
         session.in_flight.difference_update({2, 3})
         runner.start()
         try:
-            batcher.put(_work(session, 0, np.ones((1, 4), np.float32)))
+            batcher.put(ring_work(session, 0, np.ones((1, 4), np.float32)))
             assert lone.entered.wait(10)  # alone: on the lone engine, held there
-            batcher.put(_work(session, 1, np.ones((1, 4), np.float32)))
+            batcher.put(ring_work(session, 1, np.ones((1, 4), np.float32)))
             assert own.entered.wait(10)  # the other instance, while the first batch still runs
         finally:
             release.set()
