@@ -70,8 +70,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--streams", type=int, default=0, metavar="N",
                     help="the model's stream slots in (c), instead of the config's")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="model_options",
-                    help=f"a key of [models.{MODEL}] in (c), instead of the config's (repeatable; say "
-                         "serial_compute=true)")
+                    help=f"a key of [models.{MODEL}] in (c), or SECTION.KEY of another section, instead of the "
+                         "config's (repeatable; say idle_dispatch=false, worker.spin_us=0)")
 
 
 @dataclass(frozen=True)

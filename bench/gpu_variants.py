@@ -34,7 +34,14 @@ def engine_config(cfg: config.Config, model: str, engine: str, package: str = ""
         section["max_batch"] = max_batch
     if streams:
         section["streams"] = streams
-    section.update(options or {})
+    for key, value in (options or {}).items():
+        where, _, name = key.rpartition(".")
+        if where:  # another section's key: worker.gil_switch_us
+            if where not in data or "." in where or not isinstance(data[where], dict):
+                raise config.ConfigError(f"--set {key}: no section {where!r} (say worker.spin_us=0)")
+            data[where] = {**data[where], name: value}  # type: ignore[dict-item]
+        else:
+            section[name] = value
     data["models"] = {model: section}
     return config.parse(data, source or "<bench>")
 

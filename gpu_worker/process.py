@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import logging
 import os
 import sys
 import threading
@@ -17,6 +18,8 @@ import msgspec
 
 from shmbroker.broker.common import proc
 from shmbroker.broker.common.config import Config
+
+log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = msgspec.json.decode(sys.stdin.buffer.read(), type=Config)
     proc.name_process(f"shmb-worker-{args.worker_id}")
     proc.setup_logging(cfg.broker.log_level)
+    if cfg.worker.gil_switch_us:
+        sys.setswitchinterval(cfg.worker.gil_switch_us / 1e6)
+        log.info("worker %d: GIL switch interval %d us (worker.gil_switch_us)", args.worker_id,
+                 round(sys.getswitchinterval() * 1e6))
     stop = threading.Event()
     proc.stop_on_signals(stop)
     if parent == 1:  # the broker died before the parent-death signal was armed

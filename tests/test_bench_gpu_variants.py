@@ -34,6 +34,8 @@ def test_set_options_reach_the_model_and_read_back(tmp_path: Path) -> None:
     variant = gpu_variants.engine_config(cfg, MODEL, "torch", options=options)
     back = config.load(gpu_variants.write(variant, tmp_path / "torch.toml")).models[MODEL]
     assert (back.idle_dispatch, back.max_queue_delay_us, back.fp16) == (False, 500, True)
+    worker = gpu_variants.engine_config(cfg, MODEL, "torch", options={"worker.spin_us": 0})
+    assert config.load(gpu_variants.write(worker, tmp_path / "w.toml")).worker.spin_us == 0
 
 
 def test_a_bad_set_option_names_the_key() -> None:
@@ -42,6 +44,8 @@ def test_a_bad_set_option_names_the_key() -> None:
         gpu_variants.parse_options(["serial"])
     with pytest.raises(config.ConfigError, match="no_such_key"):
         gpu_variants.engine_config(cfg, MODEL, "torch", options=gpu_variants.parse_options(["no_such_key=1"]))
+    with pytest.raises(config.ConfigError, match="no section 'workers'"):
+        gpu_variants.engine_config(cfg, MODEL, "torch", options={"workers.spin_us": 0})
     with pytest.raises(config.ConfigError, match="max_batch"):
         gpu_variants.engine_config(cfg, MODEL, "torch", options=gpu_variants.parse_options(["max_batch=zero"]))
 

@@ -93,6 +93,16 @@ def test_configured_group_gives_0660(tmp_path: Path) -> None:
         assert b.stop() == 0
 
 
+def test_a_worker_takes_its_gil_switch_interval_from_the_config(tmp_path: Path) -> None:
+    b = start_broker(tmp_path, "process", extra="[worker]\ngil_switch_us = 700\n")
+    try:
+        with Client(b.runtime_dir) as c:
+            np.testing.assert_allclose(arr(c.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
+        assert "GIL switch interval 700 us (worker.gil_switch_us)" in b.log()
+    finally:
+        assert b.stop() == 0
+
+
 def test_health_cli(process_broker, tmp_path: Path) -> None:
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(process_broker.runtime_dir))
     ok = subprocess.run([*CLI, "health", "--wait", "10"], env=env, cwd=REPO,

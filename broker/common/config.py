@@ -54,6 +54,9 @@ class WorkerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     devices: list[int | str] = msgspec.field(default_factory=lambda: ["cpu"])
     # after traffic, a process worker polls its data socket without sleeping for this long (0: never)
     spin_us: Annotated[int, Meta(ge=0, le=100_000)] = 1000
+    # a worker process's sys.setswitchinterval: how long a thread that wants the GIL waits before the holder must
+    # let go (0: Python's own, 5000)
+    gil_switch_us: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
 
 
 class MonitoringSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
