@@ -26,17 +26,5 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     echo "round $round $side: exit $?"
   done
 done
-python3 - "$runs" <<'PY'
-import glob, json, os, sys
-print(f"{'run':>6} {'engine':>9} {'(c) img/s':>10} {'c/a':>6} {'GPU %':>6} {'p50 ms':>7} {'p99 ms':>7} {'mean batch':>10}")
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
-    doc = json.load(open(path))
-    for engine, m in doc.get("measurements", {}).get("engines", {}).items():
-        c = m.get("broker", {})
-        lat = c.get("latency", {})
-        t = doc.get("targets", {}).get(engine, {}).get("c_over_a", {}).get("value")
-        print(f"{os.path.basename(path)[:-5]:>6} {engine:>9} {c.get('per_s')!s:>10.10} {t!s:>6.6} "
-              f"{c.get('gpu_busy_pct')!s:>6.6} {lat.get('p50_us', 0) / 1e3:>7.3f} {lat.get('p99_us', 0) / 1e3:>7.3f} "
-              f"{c.get('stages', {}).get('mean_batch')!s:>10.10}")
-PY
+PYTHONPATH="$base:$repo" python3 -m shmbroker.bench.gpu_summary "$runs"
 tar czf "$out/runs.tgz" -C "$out" runs && rm -rf "$runs"

@@ -70,7 +70,6 @@ def _exit_code(launch: Launch) -> str:
     return f" with code {code}"
 
 
-
 class ProcessLaunch:
     def __init__(self, cfg: Config, worker_id: int, runtime_dir: Path, restarts: int) -> None:
         cmd = [sys.executable, "-m", "shmbroker.gpu_worker.process", "--worker-id", str(worker_id),

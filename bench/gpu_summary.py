@@ -1,0 +1,53 @@
+"""One line per GPU bench JSON document (``bench.gpu --json``): (c) images/s, (c)/(a), GPU busy, p50, p99, the
+mean batch and the window's batches by size. The GPU machine's scripts (h200_variants.sh, h200_matrix.sh) print
+their runs with it.
+
+    python3 -m shmbroker.bench.gpu_summary DIR [NAME ...]    (NAME.json in DIR, in that order; else every *.json)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HEADER = (f"{'run':>16} {'engine':>9} {'(c) img/s':>10} {'c/a':>6} {'GPU %':>6} {'p50 ms':>7} {'p99 ms':>7} "
+          f"{'mean batch':>10}  batches by size")
+
+
+def lines(name: str, doc: dict[str, Any]) -> list[str]:
+    """The lines of one document: one per engine, then its failures if any."""
+    out = []
+    for engine, m in doc.get("measurements", {}).get("engines", {}).items():
+        c = m.get("broker", {})
+        lat, st = c.get("latency", {}), c.get("stages", {})
+        ratio = doc.get("targets", {}).get(engine, {}).get("c_over_a", {}).get("value")
+        out.append(f"{name:>16} {engine:>9} {c.get('per_s')!s:>10.10} {ratio!s:>6.6} {c.get('gpu_busy_pct')!s:>6.6} "
+                   f"{lat.get('p50_us', 0) / 1e3:>7.2f} {lat.get('p99_us', 0) / 1e3:>7.2f} "
+                   f"{st.get('mean_batch')!s:>10.10}  {st.get('batch_sizes')}")
+    if doc.get("failures"):
+        out.append(f"{'':>16} failures: {doc['failures']}")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        sys.stderr.write(__doc__ or "")
+        return 2
+    folder = Path(argv[0])
+    paths = [folder / f"{n}.json" for n in argv[1:]] or sorted(folder.glob("*.json"))
+    print(HEADER)
+    for path in paths:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            print(f"{path.stem:>16} no result: {exc}")
+            continue
+        for line in lines(path.stem, doc):
+            print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
