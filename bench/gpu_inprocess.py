@@ -20,6 +20,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from shmbroker.bench import gpu_datapath
 from shmbroker.bench.common import Figures, Progress
 from shmbroker.broker.common.config import Config
 from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
@@ -91,6 +92,12 @@ def limit(cfg: Config, model: str, device: int, duration_s: float, progress: Pro
             progress.tick(f"{mc.streams} streams at batch {mc.max_batch}: {concurrent['items_per_s']:,.0f} images/s")
         except (RuntimeError, ValueError) as exc:  # an information figure: its failure is reported, not fatal
             concurrent = {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            datapath = gpu_datapath.with_copies(engine, mc.streams, mc.max_batch, duration_s / 2)
+            progress.tick(f"{mc.streams} stream slots at batch {mc.max_batch} with their copies: "
+                          f"{datapath['items_per_s']:,.0f} images/s")
+        except (RuntimeError, ValueError) as exc:  # an information figure, as above
+            datapath = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         ctx.close()
         stream.close()
@@ -100,7 +107,8 @@ def limit(cfg: Config, model: str, device: int, duration_s: float, progress: Pro
         "cuda_graphs": mc.cuda_graphs,
         "graph_sizes": graph_sizes, "load_s": round(load_s, 2), "context_s": round(context_s, 2),
         "by_batch": by_batch, "best_batch": int(best), "items_per_s": by_batch[best]["items_per_s"],
-        "max_batch": mc.max_batch, "max_batch_ms": max_ms, "concurrent_streams": concurrent, "lone": lone,
+        "max_batch": mc.max_batch, "max_batch_ms": max_ms, "concurrent_streams": concurrent,
+        "with_copies": datapath, "lone": lone,
     }
 
 

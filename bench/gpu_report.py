@@ -28,6 +28,7 @@ def targets(m: dict[str, Figures], classic: Figures | None = None) -> dict[str, 
     c, a, b = _get(m, "broker", "per_s"), _get(m, "limit", "items_per_s"), _get({"classic": classic or {}},
                                                                                "classic", "per_s")
     a2 = _get(m, "limit", "concurrent_streams", "items_per_s")
+    a3 = _get(m, "limit", "with_copies", "items_per_s")
     max_ms, delay_ms = _get(m, "limit", "max_batch_ms"), _get(m, "broker", "max_queue_delay_ms")
     p99_ms = _get(m, "broker", "latency", "p99_us")
     bound = None if max_ms is None or delay_ms is None else 4 * max_ms + delay_ms
@@ -44,6 +45,10 @@ def targets(m: dict[str, Figures], classic: Figures | None = None) -> dict[str, 
         "c_over_a_streams_info": {**_target(None if c is None or not a2 else c / a2, ">=", 0.0,
                                             "information: (c) over (a') the engine on `streams` streams at once"),
                                   "pass": None},
+        "c_over_a_copies_info": {**_target(None if c is None or not a3 else c / a3, ">=", 0.0,
+                                           "information: (c) over (a'') the worker's stream slots with their "
+                                           "copies, no broker"),
+                                 "pass": None},
         "p99_ms_c": {**_target(None if p99_ms is None else p99_ms / 1e3, "<=", round(bound, 3) if bound else 0.0,
                                "p99 latency of (c) in ms, against 4 x one max batch's compute + max_queue_delay"),
                      "bound_ms": None if bound is None else round(bound, 3)},
@@ -82,6 +87,11 @@ def _limit_lines(engine: str, lim: Figures) -> list[str]:
     label = f"(a') {engine}: {cc.get('streams', '?')} streams at once (info)"
     how = cc.get("error", f"batch {cc.get('batch')} on each stream, wall-clock timed")
     lines.append(f"{label:<48} {_n(cc.get('items_per_s')):>10} {'':>8} {'':>8} {'':>6}  {how}")
+    wc = lim.get("with_copies", {})
+    label = f"(a'') {engine}: {wc.get('streams', '?')} slots, copies (info)"
+    how = wc.get("error", f"batch {wc.get('batch')}; a batch's H2D {_n(wc.get('h2d_ms'), '{:.3f}')} ms, "
+                          f"compute {_n(wc.get('compute_ms'), '{:.3f}')} ms, D2H {_n(wc.get('d2h_ms'), '{:.3f}')} ms")
+    lines.append(f"{label:<48} {_n(wc.get('items_per_s')):>10} {'':>8} {'':>8} {'':>6}  {how}")
     return lines
 
 

@@ -30,6 +30,7 @@ from shmbroker.broker.common.peergate import PeerGate
 from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
 from shmbroker.gpu_worker.sessions import WorkerSession
 from shmbroker.gpu_worker.work import Work
+from tests.hostdevice import HostDevice
 
 CLI = [sys.executable, "-m", "shmbroker.broker.cli"]  # `shmbroker` of this checkout, in a child
 REPO = Path(__file__).resolve().parent.parent
@@ -338,3 +339,11 @@ def ring_work(session: WorkerSession, slot: int, x: np.ndarray) -> Work:
     session.segment.input_view(slot, 0, x.dtype, x.shape)[...] = x
     req = P.SubmitRequest(slot + 1, slot, 1, 0, 0, [P.TensorDesc(0, int(P.DType.FP32), 0, 16, (1, 4))])
     return Work(session, req, 1, time.monotonic() + 5, time.monotonic())
+
+
+@pytest.fixture
+def host_device(monkeypatch: pytest.MonkeyPatch) -> HostDevice:
+    """The CUDA runtime calls of ``gpu_worker.cuda`` replaced by a device in host memory (tests/hostdevice.py)."""
+    dev = HostDevice()
+    dev.install(monkeypatch)
+    return dev

@@ -28,13 +28,6 @@ MAX_BATCH = 8
 
 
 @pytest.fixture
-def device(monkeypatch: pytest.MonkeyPatch) -> HostDevice:
-    dev = HostDevice()
-    dev.install(monkeypatch)
-    return dev
-
-
-@pytest.fixture
 def session(tmp_path: Path) -> Iterator[tuple[WorkerSession, threading.Event]]:
     with ring_session(tmp_path, SLOTS) as s:
         yield s
@@ -65,13 +58,13 @@ def _trickle(runner: PipelineRunner, session: WorkerSession, device: HostDevice)
 
 
 @pytest.mark.parametrize("streams", [1, 2, 4])
-def test_every_request_gets_its_own_result(device: HostDevice, session: tuple[WorkerSession, threading.Event],
+def test_every_request_gets_its_own_result(host_device: HostDevice, session: tuple[WorkerSession, threading.Event],
                                            streams: int) -> None:
     ws, all_answered = session
-    runner, engine = _runner(device, streams)
+    runner, engine = _runner(host_device, streams)
     runner.start()
     try:
-        xs = _trickle(runner, ws, device)
+        xs = _trickle(runner, ws, host_device)
         assert all_answered.wait(30), f"not every request was answered: {sorted(ws.in_flight)} still in flight"
     finally:
         runner.stop()
@@ -85,11 +78,11 @@ def test_every_request_gets_its_own_result(device: HostDevice, session: tuple[Wo
         assert runner.stages[stage].snapshot().count == len(engine.batches)
 
 
-def test_a_stop_answers_every_request_in_flight(device: HostDevice,
+def test_a_stop_answers_every_request_in_flight(host_device: HostDevice,
                                                session: tuple[WorkerSession, threading.Event]) -> None:
     ws, all_answered = session
-    device.row_s = 0.05  # batches still on the device at the stop
-    runner, engine = _runner(device, 2)
+    host_device.row_s = 0.05  # batches still on the device at the stop
+    runner, engine = _runner(host_device, 2)
     runner.start()
     for slot in range(SLOTS):
         runner.batcher.put(ring_work(ws, slot, np.ones((1, 4), np.float32)), wake=not runner.cheap)
