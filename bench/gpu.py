@@ -38,12 +38,13 @@ class Settings:
     processes: int
     in_flight: int
     classic: bool = True
+    api: str = "call"
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Settings:
         quick = bool(args.quick)
         duration = args.duration if args.duration is not None else (2.0 if quick else 5.0)
-        return cls(duration, 0.5 if quick else 1.0, args.processes, args.in_flight)
+        return cls(duration, 0.5 if quick else 1.0, args.processes, args.in_flight, api=getattr(args, "api", "call"))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -55,6 +56,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="each window (default 5)")
     ap.add_argument("--processes", type=int, default=16, help="client processes in (b) and (c) (default 16)")
     ap.add_argument("--in-flight", type=int, default=8, help="requests each (c) client keeps in flight (default 8)")
+    ap.add_argument("--api", choices=("call", "infer"), default="call",
+                    help="(c)'s clients: Client.call chains (default), or threads calling Client.infer in a loop, "
+                         "as a synchronous application does")
     ap.add_argument("--log-dir", default=None, metavar="DIR", help="keep the broker's log there")
     ap.add_argument("--only", default=",".join(PHASES), metavar="PHASES",
                     help=f"comma-separated subset of {','.join(PHASES)} (tuning runs; targets then read n/a)")
@@ -121,7 +125,8 @@ class GpuBench:
                                col.cfg, MODEL, self.device, 2 * self.s.duration_s, self.progress, self.sweep_max))
             if "broker" in only:
                 self.phase(into, "broker", f"(c) {col.engine}: shmbroker, {self.s.processes} processes x "
-                           f"{self.s.in_flight} batch-1 requests", lambda col=col: self.broker(workdir, col))
+                           f"{self.s.in_flight} batch-1 requests ({self.s.api})",
+                           lambda col=col: self.broker(workdir, col))
 
     def _group(self, target: Target, specs: list[dict[str, Any]], sampler: gpu_load.Sampler) -> Figures:
         sampler.start()
@@ -157,7 +162,7 @@ class GpuBench:
         with BrokerProcess(col.path, run_dir, self.progress) as b:
             self.progress.note(f"broker ready in {b.startup_s:.1f} s")
             specs = self.specs({"runtime_dir": str(b.runtime_dir), "model": MODEL, "in_flight": self.s.in_flight,
-                                "warmup_requests": 20})
+                                "api": self.s.api, "warmup_requests": 20})
             sampler = gpu_load.Sampler(self.device, b.runtime_dir)
             try:
                 out = self._group(gpu_load.client, specs, sampler)
@@ -174,7 +179,7 @@ class GpuBench:
         out["startup_s"] = None if b.startup_s is None else round(b.startup_s, 2)
         if not out["shutdown"]["shm_clean"]:
             self.failures.append(f"broker ({col.engine}): unclean shutdown {out['shutdown']}")
-        return {**out, "clients": self.s.processes, "in_flight_per_client": self.s.in_flight,
+        return {**out, "clients": self.s.processes, "in_flight_per_client": self.s.in_flight, "api": self.s.api,
                 "max_batch": mc.max_batch, "max_queue_delay_ms": mc.max_queue_delay_us / 1e3}
 
 

@@ -1,7 +1,8 @@
 """(c) shmbroker under load, and what is sampled meanwhile.
 
 Each client process keeps ``in_flight`` batch-1 requests outstanding with ``Client.call`` (a request's
-callback submits the next, as in bench/load.py) and times every request from submit to callback. Its
+callback submits the next, as in bench/load.py) and times every request from submit to callback; with the
+``infer`` API, ``in_flight`` threads each call ``Client.infer`` in a loop, timed from call to return. Its
 window's start and end are reported on the system-wide monotonic clock, so that the bench process can pick
 the GPU utilization samples and the broker's stats that fall inside the window.
 
@@ -73,6 +74,50 @@ class _Chains:
             if self.live <= 0:
                 self.drained.set()
 
+    def run(self, timeout: float) -> bool:
+        """Start every chain; whether all ended within ``timeout`` seconds."""
+        for i in range(len(self.sent)):
+            self.launch(i)
+        return self.drained.wait(timeout)
+
+
+class _Loops(_Chains):
+    """``in_flight`` threads (the first is the caller's), each calling ``Client.infer`` in a loop, as a
+    synchronous application does; a request is timed from the call to its return."""
+
+    def run(self, timeout: float) -> bool:
+        threads = [threading.Thread(target=self._loop, name=f"bench-infer-{i}", daemon=True)
+                   for i in range(1, len(self.sent))]
+        for t in threads:
+            t.start()
+        self._loop()
+        for t in threads:
+            t.join(timeout)
+        return not any(t.is_alive() for t in threads)
+
+    def _loop(self) -> None:
+        samples: list[int] = []
+        errors: collections.Counter[str] = collections.Counter()
+        answered = 0
+        while (t0 := time.perf_counter_ns()) / 1e9 < self.t_end:
+            try:
+                self.client.infer(self.model, self.x)
+                code = ""
+            except ShmBrokerError as exc:
+                code = exc.code
+            t = time.perf_counter_ns()
+            answered += 1
+            if self.t_count <= t / 1e9 < self.t_end:
+                if code:
+                    errors[code] += 1
+                else:
+                    samples.append(t - t0)
+        with self.lock:
+            self.samples += samples
+            self.errors += errors
+            self.answered += answered
+            self.live -= 1
+
 
 def client(spec: dict[str, Any], sync: Sync) -> Figures:
     """One application process: its own session, ``in_flight`` batch-1 requests in flight for the window."""
@@ -84,11 +129,10 @@ def client(spec: dict[str, Any], sync: Sync) -> Figures:
         sync()
         t0 = time.perf_counter()
         w0 = time.monotonic() + spec["warmup_s"]
-        chains = _Chains(c, model, x, t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"], in_flight)
+        kind = _Loops if spec.get("api") == "infer" else _Chains
+        chains = kind(c, model, x, t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"], in_flight)
         cpu0 = time.process_time()
-        for i in range(in_flight):
-            chains.launch(i)
-        drained = chains.drained.wait(spec["warmup_s"] + spec["duration_s"] + 30.0)
+        drained = chains.run(spec["warmup_s"] + spec["duration_s"] + 30.0)
         cpu_s = time.process_time() - cpu0
         with chains.lock:
             samples, errors = list(chains.samples), dict(chains.errors)

@@ -132,7 +132,8 @@ def table(doc: Figures) -> str:
         lines += _limit_lines(engine, lim)
         if "broker" in f:
             best = lim.get("items_per_s") if isinstance(lim, dict) else None
-            lines.append(_load_line(f"(c) {engine}: shmbroker, {n} procs batch-1", f["broker"], best))
+            api = f["broker"].get("api", "call") if isinstance(f["broker"], dict) else "call"
+            lines.append(_load_line(f"(c) {engine}: shmbroker, {n} procs batch-1, {api}", f["broker"], best))
     for engine, f in m.get("engines", {}).items():
         st = f.get("broker", {}).get("stages", {})
         if st:

@@ -1,9 +1,14 @@
-"""bench.gpu_load: the worker's figures of a window are the difference of two stats snapshots."""
+"""bench.gpu_load: the worker's figures of a window are the difference of two stats snapshots, and a client
+process counts the answers inside its window with either API, against a real broker."""
 
 from __future__ import annotations
 
+import pytest
+
 from shmbroker.bench import gpu_load
 from shmbroker.broker.common import protocol as P
+from shmbroker.gpu_worker.model_source import TINY_WIDTH
+from tests.conftest import RunningBroker
 
 
 def _reply(batch_items: dict[str, int], compute_us: float) -> P.StatsReply:
@@ -21,3 +26,18 @@ def test_batch_sizes_and_compute_of_the_window_only() -> None:
     assert out["batch_sizes"] == {"192": 4, "256": 4}  # sizes with no batch in the window are left out
     assert out["mean_batch"] == 224.0
     assert out["compute_busy_pct"] == 2.0  # 10 ms of event-timed compute in 0.5 s
+
+
+@pytest.mark.parametrize("api", ["call", "infer"])
+def test_a_client_process_counts_its_windows_answers_with_each_api(broker: RunningBroker, api: str) -> None:
+    spec = {"index": 0, "seed": 1, "shape": [1, TINY_WIDTH], "warmup_s": 0.1, "duration_s": 0.5,
+            "runtime_dir": str(broker.runtime_dir), "model": "tiny", "in_flight": 3, "api": api,
+            "warmup_requests": 2}
+    out = gpu_load.client(spec, lambda: None)
+    assert out["errors"] == 0 and out["lost"] == 0, out["error_codes"]
+    assert out["completed"] == len(out["samples_ns"]) > 0
+    assert out["answered"] >= out["completed"]  # and the answers of the warm-up and the drain, outside the window
+    w0, w1 = out["window_monotonic"]
+    assert w1 - w0 == spec["duration_s"]
+    assert all(0 < ns < 2e9 for ns in out["samples_ns"])  # each within the model's 2 s timeout
+
