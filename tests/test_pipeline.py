@@ -1,5 +1,6 @@
 """gpu_worker.pipeline on a device in host memory (tests/hostdevice.py): every request is answered once with its
-own result, batches form while the device computes, and a stop answers what is in flight.
+own result, batches form while the device computes, a failed launch fails its batch only, and a stop answers
+what is in flight.
 
 The CUDA runtime is the only part replaced; sessions, rings, the batcher and the runner are the real ones. On a
 GPU, tests/gpu/test_pipeline_e2e.py runs the pipeline through a broker."""
@@ -92,3 +93,31 @@ def test_a_stop_answers_every_request_in_flight(host_device: HostDevice,
     answered = runner.counters.requests
     assert answered[P.Status.OK.name] == sum(engine.batches)
     assert answered[P.Status.OK.name] + answered[P.Status.SHUTTING_DOWN.name] == SLOTS
+
+
+
+def test_a_launch_that_fails_fails_its_batch_only(host_device: HostDevice,
+                                                 session: tuple[WorkerSession, threading.Event]) -> None:
+    ws, all_answered = session
+    runner, engine = _runner(host_device, 1)
+    engine.refuse = -1.0
+    bad = 2
+    runner.start()
+    statuses = []
+    ws.in_flight.clear()  # ring_session's event is then set by each answer
+    try:
+        for slot in range(8):  # one at a time: each request is its own batch on the one stream slot
+            all_answered.clear()
+            x = np.full((1, 4), -1.0 if slot == bad else float(slot), np.float32)
+            runner.batcher.put(ring_work(ws, slot, x), wake=not runner.cheap)
+            runner.try_inline()
+            assert all_answered.wait(30), f"slot {slot} was never answered"
+            statuses.append(ws.segment.read_slot(slot)[3])
+    finally:
+        runner.stop()
+    assert statuses[bad] == P.Status.INTERNAL
+    assert [s for i, s in enumerate(statuses) if i != bad] == [P.Status.OK] * 7, "a failed launch harmed others"
+    for slot in range(bad + 1, 8):  # the stream slot came back, and later requests got their own results
+        y = ws.segment.output_view(slot, 0, np.dtype("float32"), (1, 4))
+        np.testing.assert_array_equal(y, np.full((1, 4), 2.0 * slot, np.float32))
+    assert runner.counters.requests[P.Status.INTERNAL.name] == 1
