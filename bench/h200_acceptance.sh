@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU acceptance on the GPU machine, in one call: the GPU tests, then the GPU bench at the given
 # in-flight counts (16 client processes each), then one request at a time (1 process, 1 in flight). Prints a
-# short table at the end; logs and JSON go to $OUT. BENCH_ARGS adds options to every bench run.
+# short table at the end; logs and JSON go to $OUT. BENCH_ARGS adds options to every bench run. One request
+# at a time runs twice: with Client.call chains and with Client.infer (--api infer).
 #   bash bench/h200_acceptance.sh 8 7        (after installing the carried wheels, see ../shared/device)
 #   BENCH_ARGS="--quick --max-batch 256 --streams 4" bash bench/h200_acceptance.sh 96
 #   INDUCTOR=out/open-nsfw.fp16.inductor.pt2 bash bench/h200_acceptance.sh 8    (eager and inductor columns)
@@ -21,19 +22,22 @@ for n in "$@"; do
 done
 python3 -m shmbroker.bench.gpu --json --out "$out/bench_lone.json" --only limit,broker --processes 1 --in-flight 1 \
   "${engines[@]}" "${extra[@]}" > "$out/bench_lone.txt" 2>&1
-echo "bench one request at a time: exit $?"
+echo "bench one request at a time (Client.call): exit $?"
+python3 -m shmbroker.bench.gpu --json --out "$out/bench_lone_infer.json" --only limit,broker --processes 1 \
+  --in-flight 1 --api infer "${engines[@]}" "${extra[@]}" > "$out/bench_lone_infer.txt" 2>&1
+echo "bench one request at a time (Client.infer): exit $?"
 echo
 echo "== summary =="
 tail -n 1 "$out/gpu_tests.log"
 echo "gpu tests exit code: $tests_rc"
-python3 - "$out" "$@" lone <<'PY'
+python3 - "$out" "$@" lone lone_infer <<'PY'
 import json, sys
 out, counts = sys.argv[1], sys.argv[2:]
 print(f"{'in flight':>9} {'engine':>9} {'(a) img/s':>10} {'(c) img/s':>10} {'c/a':>6} {'GPU %':>6} {'p99 ms':>7} "
       f"{'bound':>7} {'p50 ms':>7} {'lone bound':>10}")
 for n in counts:
     try:
-        doc = json.load(open(f"{out}/bench_{'' if n == 'lone' else 'if'}{n}.json"))
+        doc = json.load(open(f"{out}/bench_{'' if n.startswith('lone') else 'if'}{n}.json"))
     except (OSError, ValueError) as exc:
         print(f"{n:>9} no result: {exc}")
         continue
