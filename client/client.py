@@ -156,14 +156,7 @@ class Client:
         meanwhile, or at the IO thread's next look (client.lead, WATCH_MS), whichever comes first.
         """
         plan, slot, views = self._fill(model, inputs, timeout)
-        fut: ClientFuture[Outputs] = ClientFuture(self._await_future, self._receiver_needed)
-        role = self._role
-        self._send(slot, plan, views, timeout, functools.partial(self._resolve, fut, plan, slot, views), True,
-                   defer=role.led_last())
-        # after the send: an IO thread that starts to doze from now on sees this request (client.lead)
-        if role.dozing:
-            self._receiver_needed()
-        return fut
+        return self._submit_slot(plan, slot, views, timeout)
 
     def call(self, model: str, inputs: Inputs, callback: Callback, timeout: float | None = None) -> None:
         """Queue one request; ``callback(outputs, error)`` runs when it is answered, on the client's IO thread
@@ -180,20 +173,23 @@ class Client:
 
     @contextlib.contextmanager
     def request(self, model: str, rows: int = 1, timeout: float | None = None) -> Iterator[Request]:
-        """Zero-copy: fill ``req.inputs[name]`` in place, call ``req.run()``, read the outputs in place.
+        """Zero-copy: fill ``req.inputs[name]`` in place, then ``req.run()`` and read the outputs in place, or
+        ``req.submit()`` for a Future of them (copied out) without waiting.
 
-        The views are valid inside the ``with`` block only; the slot is freed when it ends.
+        The views are valid inside the ``with`` block only; the slot is freed when it ends, or, once submitted,
+        when the request is answered.
         """
         plan = self._plan(model)
         check_timeout(timeout)
         check_rows(plan, rows, "rows", self.max_items, self.max_items_setting)
         slot = self._slots.acquire(timeout, self._receiver.on_io_thread)
-        req = Request(plan, slot, rows, self.segment, functools.partial(self._run_held, plan, slot, rows, timeout))
+        req = Request(plan, slot, rows, self.segment, functools.partial(self._run_held, plan, slot, rows, timeout),
+                      functools.partial(self._submit_held, plan, slot, rows, timeout))
         try:
             yield req
         finally:
             req.views_gone()
-            if not req.in_flight:
+            if not req.in_flight and not req.submitted:
                 self._slots.release(slot)
 
     def corked(self) -> contextlib.AbstractContextManager[None]:
@@ -329,6 +325,21 @@ class Client:
         if hint_wait and hinted and self._hint_wait.taken(slot):
             return  # the worker admitted it from the slot header and expects no SUBMIT (PROTOCOL 4.2)
         self._links.send(link, (rid, slot, gen, plan.info.model_id, n_t, timeout_us, lay.in_descs), defer)
+
+    def _submit_slot(self, plan: ModelPlan, slot: int, views: SlotViews, timeout: float | None) -> Future[Outputs]:
+        """Send a filled slot; the Future completes once the request is answered and its slot is free."""
+        fut: ClientFuture[Outputs] = ClientFuture(self._await_future, self._receiver_needed)
+        role = self._role
+        self._send(slot, plan, views, timeout, functools.partial(self._resolve, fut, plan, slot, views), True,
+                   defer=role.led_last())
+        # after the send: an IO thread that starts to doze from now on sees this request (client.lead)
+        if role.dozing:
+            self._receiver_needed()
+        return fut
+
+    def _submit_held(self, plan: ModelPlan, slot: int, rows: int, timeout: float | None) -> Future[Outputs]:
+        """A zero-copy Request's submit(): send the held slot as it is; the slot is freed once answered."""
+        return self._submit_slot(plan, slot, self._views_for(plan, slot, rows), timeout)
 
     def _run_held(self, plan: ModelPlan, slot: int, rows: int, timeout: float | None) -> P.Result | ShmBrokerError:
         """A zero-copy Request's run(): send the held slot as it is and wait for its answer (the slot stays held);

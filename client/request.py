@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -23,7 +24,8 @@ class _EndedInputs(dict[str, np.ndarray]):
 
 
 class Request:
-    """A held slot for zero-copy use: write ``inputs`` in place, ``run()``, then read the outputs in place.
+    """A held slot for zero-copy use: write ``inputs`` in place, then ``run()`` and read the outputs in place, or
+    ``submit()`` and take them, copied, from the Future.
 
     Every view is valid inside the ``with c.request(...)`` block only. NumPy cannot revoke a view, so arrays kept
     past the block still read the slot, which the next request to take it overwrites: copy what you keep. At the
@@ -32,14 +34,17 @@ class Request:
     """
 
     def __init__(self, plan: ModelPlan, slot: int, rows: int, segment: Segment,
-                 run: Callable[[], P.Result | ShmBrokerError]) -> None:
-        """``run`` sends the slot as it is and returns its answer (Client._run_held)."""
+                 run: Callable[[], P.Result | ShmBrokerError], submit: Callable[[], Future[Outputs]]) -> None:
+        """``run`` sends the slot as it is and returns its answer (Client._run_held); ``submit`` sends it and
+        returns the Future of its copied outputs, the slot freed once answered (Client._submit_held)."""
         self._plan = plan
         self._slot = slot
         self._segment = segment
         self._run = run
+        self._submit = submit
         self._ended = False
         self.in_flight = False
+        self.submitted = False  # the slot is the request's until answered: the block's end does not free it
         offsets = plan.input_offsets(rows)
         self.inputs: dict[str, np.ndarray] = {
             s.name: segment.input_view(slot, offsets[k], plan.in_dtypes[k], (rows, *plan.in_item_shapes[k]))
@@ -51,9 +56,7 @@ class Request:
     def run(self) -> Outputs:
         """Send the slot as it is and wait; the outputs are read-only views into the slot (no copy), valid inside
         the ``with`` block only: they change when a later request reuses the slot."""
-        if self._ended:
-            raise ShmBrokerError("req.run(): the request's `with` block has ended and its slot serves other "
-                                 "requests now; call run() inside the block", "REQUEST_ENDED")
+        self._check_usable("run")
         self.in_flight = True  # stays set if no answer comes: the worker may still write the slot
         r = self._run()
         self.in_flight = False
@@ -73,6 +76,30 @@ class Request:
         self.outputs = outs
         self._handed.extend(outs.values())
         return next(iter(outs.values())) if len(specs) == 1 else dict(outs)
+
+    def submit(self) -> Future[Outputs]:
+        """Send the slot as it is without waiting. The Future holds the outputs, copied out of the slot so that
+        they outlive the block, or a ShmBrokerError; ``asyncio.wrap_future`` awaits it. From here on the inputs
+        are the request's (the worker reads them), so they go read-only, and the slot is freed once the request
+        is answered, inside the block or after it. Once per request.
+
+        Raises:
+            ShmBrokerError: ``REQUEST_ENDED`` after the block; ``REQUEST_SENT`` once submitted.
+            WorkerDied: no live worker serves the model (the slot is then free).
+        """
+        self._check_usable("submit")
+        self.submitted = True
+        for view in self.inputs.values():
+            view.flags.writeable = False
+        return self._submit()
+
+    def _check_usable(self, what: str) -> None:
+        if self._ended:
+            raise ShmBrokerError(f"req.{what}(): the request's `with` block has ended and its slot serves other "
+                                 f"requests now; call {what}() inside the block", "REQUEST_ENDED")
+        if self.submitted:
+            raise ShmBrokerError(f"req.{what}(): the request was submitted and its slot is its own until answered; "
+                                 "take another with client.request(...)", "REQUEST_SENT")
 
     def views_gone(self) -> None:
         """The block has ended: later run() and inputs[...] raise REQUEST_ENDED; handed-out arrays go read-only."""

@@ -1,9 +1,11 @@
 """The zero-copy ``with c.request(model, rows) as req:`` API as a user sees it, against a live broker: outputs are
 read-only views valid inside the block; after it, the request refuses further use and the arrays it handed out
-cannot write into a slot that serves other requests (they still read it: the docstring says to copy)."""
+cannot write into a slot that serves other requests (they still read it: the docstring says to copy). A
+submitted request's Future holds copies that outlive the block, and its slot is freed once answered."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import numpy as np
@@ -64,3 +66,43 @@ def test_after_the_block_the_request_refuses_use_and_kept_arrays_cannot_write(li
         # documented, not preventable: a view kept past the block reads the slot, now the last request's result
         np.testing.assert_allclose(kept_out, want_zeros, rtol=0, atol=1e-5)
         np.testing.assert_allclose(copied, want_ones, rtol=0, atol=1e-5)
+
+
+def test_submit_sends_the_filled_slot_and_its_future_outlives_the_block(live: RunningBroker) -> None:
+    ones, zeros = np.ones((1, 256), np.float32), np.zeros((1, 256), np.float32)
+    with Client(live.runtime_dir, slots=1) as c:  # one slot: only an answered request frees it for the next
+        want_ones, want_zeros = tiny_ref(c, ones), tiny_ref(c, zeros)
+        with c.request("tiny") as req:
+            req.inputs["x"][...] = ones
+            fut = req.submit()
+            with pytest.raises(ValueError, match="read-only"):
+                req.inputs["x"][...] = zeros  # the worker reads the inputs once they are sent
+            for again in (req.submit, req.run):
+                with pytest.raises(ShmBrokerError, match="submitted") as exc:
+                    again()
+                assert exc.value.code == "REQUEST_SENT"
+        y = arr(fut.result(10))
+        assert y.flags.owndata, "a submitted request's outputs are copies: they outlive the block"
+        np.testing.assert_allclose(y, want_ones, rtol=0, atol=1e-5)
+        # the slot was freed by the answer: the next request takes it, and the first result stays as it was
+        np.testing.assert_allclose(arr(c.infer("tiny", zeros)), want_zeros, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(y, want_ones, rtol=0, atol=1e-5)
+
+
+def test_many_submitted_requests_each_get_their_own_result_awaited_in_asyncio(live: RunningBroker) -> None:
+    xs = np.random.default_rng(5).standard_normal((24, 1, 256), dtype=np.float32)
+    with Client(live.runtime_dir, slots=8) as c:
+        wants = [tiny_ref(c, x) for x in xs]
+
+        async def run_all() -> list[np.ndarray]:
+            pending = []
+            for x in xs:
+                with c.request("tiny") as req:  # once 8 are in flight, waits for a slot that an answer frees
+                    np.copyto(req.inputs["x"], x)
+                    pending.append(asyncio.wrap_future(req.submit()))
+                if len(pending) % 8 == 0:
+                    await asyncio.sleep(0)  # the answers arrive while the loop goes on
+            return [arr(y) for y in await asyncio.gather(*pending)]
+
+        for got, want in zip(asyncio.run(run_all()), wants, strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
