@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import fcntl
 import logging
 import math
-import os
 import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -38,6 +35,7 @@ from shmbroker.broker.common.ratelog import RateLimitedLog
 from shmbroker.client import AsyncClient, BadInput, RequestTimeout, ShmBrokerError
 from shmbroker.client.checks import check_rows
 from shmbroker.client.session import GRACE_S, ModelPlan
+from shmbroker.frontend.unixclaim import UnixClaim
 
 log = logging.getLogger(__name__)
 INLINE_REQUEST = 40  # kinds of the inline socket only; the envelope is the protocol's <u16 version, u16 kind>
@@ -414,44 +412,19 @@ class GatewayRefused(RuntimeError):
     the text names the path and the setting to change."""
 
 
-class SocketClaim:
-    """This gateway's hold on ``<runtime_dir>/inline.sock``: an flock on ``inline.lock``, taken before the bind
-    and kept until after the socket file is removed; GatewayRefused when a live gateway holds it."""
+class SocketClaim(UnixClaim):
+    """This gateway's hold on ``<runtime_dir>/inline.sock`` through ``inline.lock`` (frontend.unixclaim);
+    GatewayRefused when a live gateway holds it, or the runtime directory is missing."""
 
-    # An flock rather than a connect probe of the socket: two gateways starting at once cannot both see the
-    # file free, and the kernel drops the lock of a gateway that dies, so a stale socket file never blocks.
     def __init__(self, runtime_dir: Path) -> None:
-        self.path = runtime_dir / SOCKET_NAME
-        self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the file our bind created
-        lock = runtime_dir / LOCK_NAME
+        path = runtime_dir / SOCKET_NAME
         try:
-            self._fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+            super().__init__(path, runtime_dir / LOCK_NAME, lambda holder: GatewayRefused(
+                f"{path}: another `shmbroker inline` (pid {holder}) already serves it; stop that one, or give this "
+                f"one another runtime directory (--runtime-dir or $SHMBROKER_RUNTIME_DIR)"))
         except FileNotFoundError:
             raise GatewayRefused(f"runtime directory {runtime_dir} does not exist: start `shmbroker serve` "
                                  f"first, or name the broker's with --runtime-dir or $SHMBROKER_RUNTIME_DIR") from None
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self._fd)
-            raise GatewayRefused(f"{self.path}: another `shmbroker inline` (pid {holder}) already serves it; "
-                                 f"stop that one, or give this one another runtime directory (--runtime-dir or "
-                                 f"$SHMBROKER_RUNTIME_DIR)") from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # for the message of a gateway refused later
-
-    def bound(self) -> None:
-        """Record the socket file that our bind just created (ZeroMQ replaced any stale one: we hold the lock)."""
-        st = self.path.stat()
-        self._bound = (st.st_dev, st.st_ino)
-
-    def release(self) -> None:
-        """Remove our socket file if it is still ours (never another's put there since), then drop the lock."""
-        with contextlib.suppress(FileNotFoundError):
-            st = self.path.stat()
-            if (st.st_dev, st.st_ino) == self._bound:
-                self.path.unlink()
-        os.close(self._fd)
 
 
 async def _connect(rd: Path, args: argparse.Namespace, stop: asyncio.Event) -> AsyncClient | None:

@@ -6,6 +6,11 @@ socket, inherited at spawn; the kernel hands each new connection to whichever ch
 second ``shmbroker http`` (or any other server) on the same host:port fails to bind and exits 2, and the
 port stays taken across child restarts. A child that exits is restarted after a pause; SIGTERM or SIGINT
 stops them all.
+
+``--unix PATH`` listens on a Unix socket instead, mode 0660: its owner and group may connect, nobody else.
+It is claimed through an flock on ``PATH.lock`` (frontend.unixclaim), so a stale socket left by a killed
+front-end is replaced and a live one's refused; a socket nobody of ours bound is replaced only if nothing
+listens on it, and any other file there is refused.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 
 from shmbroker.broker.common import proc
 from shmbroker.frontend.settings import Settings
+from shmbroker.frontend.unixclaim import UnixClaim
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 120.0  # a child's session handshake is retried until the broker answers
@@ -38,6 +44,7 @@ BACKLOG = 128  # aiohttp's default, which each child's site sets again on the sh
 # and pipes, the executor's, the log; --max-connections is what the open-files limit must allow on top.
 OWN_FDS = 64
 MIN_API_KEY_CHARS = 16
+UNIX_PATH_MAX = 107  # sun_path's 108 bytes, one for the terminating NUL
 
 
 class PortTaken(RuntimeError):
@@ -65,14 +72,73 @@ def claim_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+class UnixListener:
+    """``--unix PATH``: a socket listening at ``PATH``, mode 0660, claimed through ``PATH.lock``."""
+
+    def __init__(self, path: str) -> None:
+        if len(os.fsencode(path)) > UNIX_PATH_MAX:
+            raise ValueError(f"--unix {path}: a Unix socket's path may have at most {UNIX_PATH_MAX} bytes; "
+                             "choose a shorter one")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise ValueError(f"--unix {path}: the directory {parent} does not exist; create it, or choose another path")
+        try:
+            self.claim = UnixClaim(Path(path), Path(f"{path}.lock"), lambda holder: PortTaken(
+                f"--unix: {path} is served by another `shmbroker http` (pid {holder}, holding {path}.lock); stop "
+                "it, or choose another --unix"))
+        except OSError as exc:
+            raise ValueError(f"--unix {path}: cannot open its lock file {path}.lock ({exc.strerror})") from None
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            _remove_stale(path)
+            old = os.umask(0o117)  # the socket file is made 0660 by bind; connecting needs its write permission
+            try:
+                self.sock.bind(path)
+            finally:
+                os.umask(old)
+            self.claim.bound()
+            self.sock.listen(BACKLOG)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close the socket, remove its file, then let the claim go."""
+        self.sock.close()
+        self.claim.release()
+
+
+def _remove_stale(path: str) -> None:
+    """Remove a socket at ``path`` that nobody listens on (a killed front-end's); refuse anything else there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ValueError(f"--unix {path}: exists and is not a socket; remove it, or choose another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)
+        return
+    except PermissionError:
+        raise ValueError(f"--unix {path}: a socket there that this user may not use (owner uid {st.st_uid}); "
+                         "choose another path") from None
+    finally:
+        probe.close()
+    raise PortTaken(f"--unix: another process listens on {path}; stop it, or choose another --unix")
+
+
 class Frontends:
-    """N front-end processes on one port."""
+    """N front-end processes on one port, or on one Unix socket."""
 
     def __init__(self, settings: Settings, workers: int, log_level: str = "INFO") -> None:
         if workers < 1:
             raise ValueError(f"--workers: expected at least 1, got {workers}")
-        self._sock = claim_port(settings.host, settings.port)
-        self.settings = replace(settings, port=self._sock.getsockname()[1])
+        self._unix = UnixListener(settings.unix) if settings.unix else None
+        self._sock = self._unix.sock if self._unix else claim_port(settings.host, settings.port)
+        self.settings = settings if self._unix else replace(settings, port=self._sock.getsockname()[1])
         self.workers = workers
         self.log_level = log_level
         self._ctx = mp.get_context("spawn")
@@ -81,6 +147,11 @@ class Frontends:
     @property
     def port(self) -> int:
         return self.settings.port
+
+    @property
+    def address(self) -> str:
+        """Where it listens: ``http://HOST:PORT``, or ``unix:PATH``."""
+        return f"unix:{self.settings.unix}" if self.settings.unix else f"http://{self.settings.host}:{self.port}"
 
     def _start(self) -> tuple[BaseProcess, Connection]:
         from shmbroker.frontend import server  # aiohttp and the client load in the children, not in `shmbroker ...`
@@ -138,7 +209,10 @@ class Frontends:
                 p.kill()
                 p.join(5)
             rx.close()
-        self._sock.close()
+        if self._unix is not None:
+            self._unix.close()
+        else:
+            self._sock.close()
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -147,6 +221,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: a free one, printed); "
                     "refused with exit 2 when another process listens on it")
+    ap.add_argument("--unix", default="", metavar="PATH",
+                    help="listen on this Unix socket instead of --host/--port, mode 0660 (its owner and group may "
+                         "connect); refused with exit 2 while another `shmbroker http` serves it")
     ap.add_argument("--slots", type=int, default=0,
                     help="ring slots per process, i.e. its requests in flight (default: the broker's default_slots)")
     ap.add_argument("--max-items", type=int, default=0,
@@ -207,7 +284,7 @@ def settings_of(args: argparse.Namespace, runtime_dir: Path) -> Settings:
         raise ValueError(f"--body-memory-mib: expected at least --max-body-mib ({args.max_body_mib}), so that a body "
                          f"of the largest size fits, got {args.body_memory_mib}")
     key = api_key(args.api_key_file) if args.api_key_file else ""
-    return Settings(args.host, args.port, runtime_dir, args.slots, args.max_items, args.max_body_mib,
+    return Settings(args.host, args.port, runtime_dir, args.unix, args.slots, args.max_items, args.max_body_mib,
                     header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                     max_connections=args.max_connections, body_memory_mib=args.body_memory_mib, api_key=key)
 
@@ -243,8 +320,7 @@ def command(args: argparse.Namespace) -> int:
         return 2
 
     def ready(f: Frontends) -> None:
-        sys.stdout.write(f"shmbroker http: {f.workers} front-end processes ready on "
-                         f"http://{f.settings.host}:{f.port}\n")
+        sys.stdout.write(f"shmbroker http: {f.workers} front-end processes ready on {f.address}\n")
         sys.stdout.flush()
 
     return fe.run(stop, ready)

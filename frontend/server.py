@@ -223,6 +223,8 @@ class GuardedSite(web.BaseSite):
 
     @property
     def name(self) -> str:
+        if self._sock.family == socket.AF_UNIX:
+            return f"unix:{self._sock.getsockname()}"
         host, port = self._sock.getsockname()[:2]
         return f"http://{host}:{port}"
 
@@ -252,7 +254,7 @@ async def serve(settings: Settings, ready: Connection | None = None, sock: socke
     await site.start()
     await fe.connect(stop)
     if fe.client is not None:
-        log.info("front-end ready on %s:%d, models %s", settings.host, settings.port, sorted(fe.client.models))
+        log.info("front-end ready on %s, models %s", site.name, sorted(fe.client.models))
         if ready is not None:
             ready.send(("ready", os.getpid()))
         await stop.wait()

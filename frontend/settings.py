@@ -11,6 +11,7 @@ class Settings:
     host: str
     port: int
     runtime_dir: Path
+    unix: str = ""  # a Unix socket's path, listened on instead of host:port
     slots: int = 0  # ring slots of this process's session: its requests in flight (0: the broker's default)
     max_items: int = 0  # rows per request (0: the broker's default; clamped to the largest max_batch)
     max_body_mib: int = 64

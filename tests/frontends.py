@@ -9,6 +9,7 @@ import contextlib
 import http.client
 import os
 import re
+import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +28,20 @@ if TYPE_CHECKING:  # imported when used: the inline gateway's tests need no HTTP
     import tritonclient.http as th
 
 
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over a Unix socket (``shmbroker http --unix``)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self.path)
+        self.sock = sock
+
+
 @dataclass
 class Front:
     host: str
@@ -34,6 +49,7 @@ class Front:
     proc: subprocess.Popen[str]
     broker: RunningBroker
     log_path: Path
+    unix: str = ""  # the Unix socket it listens on instead of host:port
 
     @property
     def url(self) -> str:
@@ -47,7 +63,8 @@ class Front:
     def raw(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
             ) -> tuple[int, dict[str, str], bytes]:
         """One request on a fresh connection: (status, headers, body)."""
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        conn = (UnixHTTPConnection(self.unix, timeout=60) if self.unix
+                else http.client.HTTPConnection(self.host, self.port, timeout=60))
         try:
             conn.request(method, path, body=body, headers=headers or {})
             resp = conn.getresponse()
@@ -56,20 +73,26 @@ class Front:
             conn.close()
 
 
-def start_frontend(b: RunningBroker, log_path: Path, workers: int = 2, extra: tuple[str, ...] = ()) -> Front:
-    """`shmbroker http --port 0`; returns once it printed its ready line (every process has its session)."""
+def start_frontend(b: RunningBroker, log_path: Path, workers: int = 2, extra: tuple[str, ...] = (),
+                   unix: Path | None = None) -> Front:
+    """`shmbroker http --port 0` (or `--unix UNIX`); returns once it printed its ready line (every process has
+    its session)."""
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir), PYTHONUNBUFFERED="1")
+    where = ["--unix", str(unix)] if unix else ["--port", "0"]
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([*CLI, "http", "--workers", str(workers), "--port", "0",
+        proc = subprocess.Popen([*CLI, "http", "--workers", str(workers), *where,
                                  "--slots", "32", *extra], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=logf,
                                 text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()  # blocks until ready, or EOF when it failed
-    m = re.search(r"(\d+) front-end processes ready on http://([\d.]+):(\d+)", line)
+    m = re.search(r"(\d+) front-end processes ready on (?:http://([\d.]+):(\d+)|unix:(.+))$", line.strip())
     if m is None:
         proc.kill()
         raise AssertionError(f"no ready line, got {line!r}; log:\n{log_path.read_text()[-4000:]}")
     assert int(m.group(1)) == workers
+    if unix:
+        assert m.group(4) == str(unix), line
+        return Front("", 0, proc, b, log_path, unix=str(unix))
     return Front(m.group(2), int(m.group(3)), proc, b, log_path)
 
 
