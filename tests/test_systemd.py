@@ -1,8 +1,11 @@
-"""systemd's notify protocol against a real NOTIFY_SOCKET that the test opens, as systemd would for Type=notify."""
+"""systemd's notify protocol against a real NOTIFY_SOCKET that the test opens, as systemd would for Type=notify;
+the units pass `systemd-analyze verify` and their command lines parse with the CLI's own parser."""
 
 from __future__ import annotations
 
+import configparser
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -138,4 +141,18 @@ def test_units_pass_systemd_analyze_verify() -> None:
     r = subprocess.run(["bash", str(REPO / "systemd" / "verify.sh")], capture_output=True, text=True, check=False,
                        timeout=120, env=dict(os.environ, SHMBROKER_BIN=str(Path(sys.executable).parent / "shmbroker")))
     assert r.returncode == 0, r.stderr
-    assert "shmbroker.service: ok" in r.stdout
+    assert "shmbroker.service: ok" in r.stdout and "shmbroker-http.service: ok" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("unit", sorted(p.name for p in (REPO / "systemd").glob("*.service")))
+def test_each_units_command_line_is_one_the_cli_takes(unit: str) -> None:
+    """A unit's ExecStart, split as systemd splits it, parses with `shmbroker`'s own parser: no option in a
+    unit is one the command has renamed or dropped."""
+    from shmbroker.broker.cli import build_parser
+
+    cfg = configparser.ConfigParser(strict=False, interpolation=None)
+    cfg.read(REPO / "systemd" / unit)
+    argv = shlex.split(cfg["Service"]["ExecStart"])
+    assert argv[0] == "/usr/local/bin/shmbroker"
+    args = build_parser().parse_args(argv[1:])  # SystemExit (exit 2, the option named) on an unknown option
+    assert callable(args.fn)
