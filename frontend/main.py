@@ -8,9 +8,9 @@ port stays taken across child restarts. A child that exits is restarted after a 
 stops them all.
 
 ``--unix PATH`` listens on a Unix socket instead, mode 0660: its owner and group may connect, nobody else.
-It is claimed through an flock on ``PATH.lock`` (frontend.unixclaim), so a stale socket left by a killed
-front-end is replaced and a live one's refused; a socket nobody of ours bound is replaced only if nothing
-listens on it, and any other file there is refused.
+It is claimed through an flock on ``PATH.lock`` (frontend.unixclaim): a second front-end on the path is
+refused while the first lives, and the socket file a killed one left is replaced. A socket there that no
+front-end bound is replaced only if nothing listens on it; any other file there is refused.
 """
 
 from __future__ import annotations
