@@ -184,13 +184,12 @@ class Client:
         check_rows(plan, rows, "rows", self.max_items, self.max_items_setting)
         slot = self._slots.acquire(timeout, self._receiver.on_io_thread)
         req = Request(plan, slot, rows, self.segment, functools.partial(self._run_held, plan, slot, rows, timeout),
-                      functools.partial(self._submit_held, plan, slot, rows, timeout))
+                      functools.partial(self._submit_held, plan, slot, rows, timeout),
+                      functools.partial(self._slots.release, slot))
         try:
             yield req
         finally:
-            req.views_gone()
-            if not req.in_flight and not req.submitted:
-                self._slots.release(slot)
+            req.end()
 
     def corked(self) -> contextlib.AbstractContextManager[None]:
         """``with client.corked():`` SUBMITs made by this thread inside the block are queued, not sent:
@@ -341,13 +340,23 @@ class Client:
         """A zero-copy Request's submit(): send the held slot as it is; the slot is freed once answered."""
         return self._submit_slot(plan, slot, self._views_for(plan, slot, rows), timeout)
 
-    def _run_held(self, plan: ModelPlan, slot: int, rows: int, timeout: float | None) -> P.Result | ShmBrokerError:
+    def _run_held(self, plan: ModelPlan, slot: int, rows: int, timeout: float | None,
+                  answered: Callable[[], None]) -> P.Result | ShmBrokerError:
         """A zero-copy Request's run(): send the held slot as it is and wait for its answer (the slot stays held);
-        raises if none comes in time."""
+        raises if none comes in time. ``answered`` is called when the answer comes, even after that."""
         self._check_may_wait()
         done: Future[P.Result | ShmBrokerError] = Future()
         views = self._views_for(plan, slot, rows)
-        self._send(slot, plan, views, timeout, done.set_result, release=False, hint_wait=True)
+
+        def on_done(r: P.Result | ShmBrokerError) -> None:
+            answered()
+            done.set_result(r)
+
+        try:
+            self._send(slot, plan, views, timeout, on_done, release=False, hint_wait=True)
+        except BaseException:
+            answered()  # never sent: nothing can write the slot
+            raise
         try:
             return self.wait_for(done, (timeout if timeout is not None else plan.info.timeout_ms / 1e3) + GRACE_S,
                                  slot)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -34,17 +35,24 @@ class Request:
     """
 
     def __init__(self, plan: ModelPlan, slot: int, rows: int, segment: Segment,
-                 run: Callable[[], P.Result | ShmBrokerError], submit: Callable[[], Future[Outputs]]) -> None:
-        """``run`` sends the slot as it is and returns its answer (Client._run_held); ``submit`` sends it and
-        returns the Future of its copied outputs, the slot freed once answered (Client._submit_held)."""
+                 run: Callable[[Callable[[], None]], P.Result | ShmBrokerError], submit: Callable[[], Future[Outputs]],
+                 free: Callable[[], None]) -> None:
+        """``run(answered)`` sends the slot as it is and returns its answer, calling ``answered`` on the receiving
+        thread when it comes, even after run() gave up (Client._run_held); ``submit`` sends it and returns the
+        Future of its copied outputs, the slot freed once answered (Client._submit_held); ``free`` frees the slot."""
         self._plan = plan
         self._slot = slot
         self._segment = segment
         self._run = run
         self._submit = submit
+        self._free = free
         self._ended = False
         self.in_flight = False
         self.submitted = False  # the slot is the request's until answered: the block's end does not free it
+        # a run() that gave up waiting leaves the slot to whichever comes last, its answer or the block's end
+        self._lock = threading.Lock()
+        self._answered = False  # the last run()'s answer has come
+        self._abandoned = False  # the block has ended with that answer still to come
         offsets = plan.input_offsets(rows)
         self.inputs: dict[str, np.ndarray] = {
             s.name: segment.input_view(slot, offsets[k], plan.in_dtypes[k], (rows, *plan.in_item_shapes[k]))
@@ -57,8 +65,10 @@ class Request:
         """Send the slot as it is and wait; the outputs are read-only views into the slot (no copy), valid inside
         the ``with`` block only: they change when a later request reuses the slot."""
         self._check_usable("run")
-        self.in_flight = True  # stays set if no answer comes: the worker may still write the slot
-        r = self._run()
+        with self._lock:
+            self._answered = False
+        self.in_flight = True  # stays set if no answer comes in time: the worker may still write the slot
+        r = self._run(self._answer_came)
         self.in_flight = False
         if isinstance(r, ShmBrokerError):
             raise r
@@ -100,6 +110,26 @@ class Request:
         if self.submitted:
             raise ShmBrokerError(f"req.{what}(): the request was submitted and its slot is its own until answered; "
                                  "take another with client.request(...)", "REQUEST_SENT")
+
+    def _answer_came(self) -> None:
+        """The last run()'s answer has come (receiving thread): the slot is free if the block has ended."""
+        with self._lock:
+            self._answered = True
+            free = self._abandoned
+        if free:
+            self._free()
+
+    def end(self) -> None:
+        """The block has ended: the views go (``views_gone``) and the slot is freed, unless a request is still
+        out on it (submitted, or a run() that gave up waiting), in which case its answer frees it."""
+        self.views_gone()
+        if self.submitted:
+            return
+        with self._lock:
+            free = not self.in_flight or self._answered
+            self._abandoned = not free
+        if free:
+            self._free()
 
     def views_gone(self) -> None:
         """The block has ended: later run() and inputs[...] raise REQUEST_ENDED; handed-out arrays go read-only."""

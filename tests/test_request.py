@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from shmbroker.client import Client, ShmBrokerError
+from shmbroker.client import Client, RequestTimeout, ShmBrokerError
 from tests.conftest import RunningBroker, arr, running_broker
 
 
@@ -106,3 +106,16 @@ def test_many_submitted_requests_each_get_their_own_result_awaited_in_asyncio(li
 
         for got, want in zip(asyncio.run(run_all()), wants, strict=True):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_run_that_gave_up_waiting_frees_its_slot_once_the_answer_comes(live: RunningBroker) -> None:
+    x = np.ones((1, 256), np.float32)
+    with Client(live.runtime_dir, slots=1) as c:  # one slot: a slot held for good would stop the client
+        want = tiny_ref(c, x)
+        # nothing is answered until the block has ended
+        with live.workers_stopped(), c.request("tiny", timeout=0.05) as req:
+            req.inputs["x"][...] = x
+            with pytest.raises(RequestTimeout):
+                req.run()  # gives up at the deadline and the grace; the slot stays held meanwhile
+        # the worker, resumed, answers the late request (TIMEOUT), and that answer frees the slot
+        np.testing.assert_allclose(arr(c.infer("tiny", x, timeout=10)), want, rtol=0, atol=1e-5)
