@@ -1,11 +1,13 @@
 """client.client's contract with its user, against a live broker (real processes, shared memory, ZeroMQ):
 the session takes the slots and rows asked for and refuses what is out of range, naming it; slots are the flow
 control (a caller waits for one, within its timeout; a callback, which cannot wait, is told Overloaded); a
-cancelled Future gives its slot back; a closed client refuses every entry point; a forked child cannot use
+cancelled Future gives its slot back, and a cancelled await keeps it until answered without blocking the
+event loop; a closed client refuses every entry point; a forked child cannot use
 its parent's client. Closing with requests in flight: tests/test_client_lifecycle.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -13,7 +15,15 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from shmbroker.client import Client, ClientClosed, HandshakeError, Overloaded, RequestTimeout, ShmBrokerError
+from shmbroker.client import (
+    AsyncClient,
+    Client,
+    ClientClosed,
+    HandshakeError,
+    Overloaded,
+    RequestTimeout,
+    ShmBrokerError,
+)
 from tests.conftest import TINY_MODELS, RunningBroker, arr, running_broker
 from tests.models import direct
 
@@ -98,6 +108,28 @@ def test_a_cancelled_future_gives_its_slot_back_when_its_answer_comes(live: Runn
             assert fut.cancel()
         np.testing.assert_allclose(arr(c.infer("tiny", X, timeout=30)), direct("tiny", X), rtol=0, atol=1e-5)
         assert fut.cancelled()
+
+
+def test_a_cancelled_await_keeps_its_slot_until_answered_and_the_loop_never_blocks(live: RunningBroker) -> None:
+    """``asyncio.wait_for`` cancels an AsyncClient request whose answer is late; its slot stays the worker's
+    until the answer comes. A request made meanwhile waits for it without blocking the event loop, and its own
+    timeout covers that wait."""
+
+    async def scenario() -> np.ndarray:
+        async with AsyncClient(live.runtime_dir, slots=1) as ac:
+            await ac.infer("tiny", X)  # linked and warm
+            with live.workers_stopped():  # no answer before the cancel
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(ac.infer("tiny", X), 0.1)
+                with pytest.raises(RequestTimeout, match=r"no free slot within 0\.2 s"):
+                    await ac.infer("tiny", X, timeout=0.2)
+                waiting = asyncio.create_task(ac.infer("tiny", X, timeout=30))
+                for _ in range(3):  # the loop goes on while the request waits for the slot
+                    await asyncio.sleep(0.05)
+                assert not waiting.done()
+            return arr(await waiting)  # the late answer freed the slot
+
+    np.testing.assert_allclose(asyncio.run(scenario()), direct("tiny", X), rtol=0, atol=1e-5)
 
 
 def test_a_closed_client_refuses_every_entry_point_and_leaves_no_thread(live: RunningBroker) -> None:
