@@ -270,9 +270,9 @@ class Gateway:
         # caps bound: their count, and the bytes of their frames.
         self.held = 0
         self.held_bytes = 0
-        # One slot per request, taken before AsyncClient.infer and given back only once its call is over: so
-        # that call never waits for a slot, a wait that would block the event loop (Client._wait_for_slot),
-        # and a request is never cancelled once submitted, which would free the slot the worker still uses.
+        # One slot per request, taken before AsyncClient.infer and given back only once its call is over: so the
+        # wait for a slot is the gateway's, whose timeout names --slots, and a submitted call is never cancelled
+        # (a late answer still ends it, and its slot is the worker's until then).
         self.slots = asyncio.Semaphore(client.client.segment.layout.n_slots)
         self.tasks: set[asyncio.Task[None]] = set()
         self._undelivered = RateLimitedLog(log)  # a caller that floods and reads nothing would flood the log
