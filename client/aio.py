@@ -9,14 +9,20 @@ a request holds its permit from before its slot is taken until after the slot is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any
+
+import numpy as np
 
 from shmbroker.client.checks import check_timeout
 from shmbroker.client.client import CLOSE_WAIT_S, Client, Inputs, Outputs
 from shmbroker.client.errors import RequestTimeout, ShmBrokerError
+from shmbroker.client.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +37,15 @@ def _hand_over(loop: asyncio.AbstractEventLoop, answer: asyncio.Future[Outputs],
         log.debug("an answer came after its event loop closed")
 
 
+def _hand_over_future(loop: asyncio.AbstractEventLoop, answer: asyncio.Future[Outputs], slots: asyncio.Semaphore,
+                      done: Future[Outputs]) -> None:
+    """``_hand_over`` for a submitted zero-copy request: its Future is done, its slot free."""
+    err = done.exception()
+    if err is not None and not isinstance(err, ShmBrokerError):
+        err = ShmBrokerError(f"the request failed: {err!r}")
+    _hand_over(loop, answer, slots, None if err is not None else done.result(), err)
+
+
 def _settle(answer: asyncio.Future[Outputs], slots: asyncio.Semaphore, out: Outputs | None,
             err: ShmBrokerError | None) -> None:
     slots.release()
@@ -40,6 +55,29 @@ def _settle(answer: asyncio.Future[Outputs], slots: asyncio.Semaphore, out: Outp
         answer.set_exception(err)
     else:
         answer.set_result(out)  # type: ignore[arg-type]
+
+
+class AsyncRequest:
+    """A held slot for zero-copy use on an event loop (``AsyncClient.request``): write ``inputs`` in place, then
+    ``submit()``. The views are valid inside the ``async with`` block only."""
+
+    def __init__(self, req: Request, submit: Callable[[Request], asyncio.Future[Outputs]]) -> None:
+        self._req = req
+        self._submit = submit
+
+    @property
+    def inputs(self) -> dict[str, np.ndarray]:
+        """The slot's input arrays, by input name, to fill in place."""
+        return self._req.inputs
+
+    def submit(self) -> asyncio.Future[Outputs]:
+        """Send the slot as it is; the returned future (await it, in the block or after it) holds the outputs,
+        copied out of the slot. The inputs go read-only. Once per request.
+
+        Raises:
+            ShmBrokerError: as ``Request.submit`` (REQUEST_ENDED, REQUEST_SENT); WorkerDied.
+        """
+        return self._submit(self._req)
 
 
 class AsyncClient:
@@ -64,7 +102,7 @@ class AsyncClient:
         one. Its permit goes back when the answer comes, not when the await ends: a cancelled await (say
         ``asyncio.wait_for``) leaves the slot to the worker until then.
         """
-        if timeout is None or not self._sem.locked():
+        if timeout is None or not self._sem.locked():  # inline: one coroutine less per request
             await self._sem.acquire()
         else:
             await self._slot_within(timeout)
@@ -76,10 +114,49 @@ class AsyncClient:
         except BaseException:
             self._sem.release()  # not sent: no answer will give the permit back
             raise
+        self._flush_soon(loop)
+        return await answer
+
+    @contextlib.asynccontextmanager
+    async def request(self, model: str, rows: int = 1, timeout: float | None = None) -> AsyncIterator[AsyncRequest]:
+        """Zero-copy on the event loop: ``async with ac.request(model) as req:`` write ``req.inputs[name]`` in
+        place, then ``fut = req.submit()``; ``await fut`` for the outputs. A free slot is awaited first (within
+        ``timeout``), as for ``infer``; a block that submits nothing gives it back at its end."""
+        await self._permit(timeout)
+        held: Request | None = None
+        try:
+            with self._client.request(model, rows, timeout) as req:  # a permit is a free slot: no wait here
+                held = req
+                yield AsyncRequest(req, self._submit_held)
+        finally:
+            if held is None or not held.submitted:
+                self._sem.release()
+
+    def _submit_held(self, req: Request) -> asyncio.Future[Outputs]:
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[Outputs] = loop.create_future()
+        before = req.submitted
+        try:
+            with self._cork:
+                done = req.submit()
+        except BaseException:
+            if req.submitted and not before:  # this submit() took the request but could not send it: slot free
+                self._sem.release()
+            raise
+        done.add_done_callback(functools.partial(_hand_over_future, loop, answer, self._sem))
+        self._flush_soon(loop)
+        return answer
+
+    async def _permit(self, timeout: float | None) -> None:
+        if timeout is None or not self._sem.locked():
+            await self._sem.acquire()
+        else:
+            await self._slot_within(timeout)
+
+    def _flush_soon(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
             loop.call_soon(self._flush)
-        return await answer
 
     async def _slot_within(self, timeout: float) -> None:
         """A slot's permit within ``timeout`` s, else RequestTimeout as Client.infer words it."""

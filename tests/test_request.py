@@ -1,7 +1,8 @@
 """The zero-copy ``with c.request(model, rows) as req:`` API as a user sees it, against a live broker: outputs are
 read-only views valid inside the block; after it, the request refuses further use and the arrays it handed out
 cannot write into a slot that serves other requests (they still read it: the docstring says to copy). A
-submitted request's Future holds copies that outlive the block, and its slot is freed once answered."""
+submitted request's Future holds copies that outlive the block, and its slot is freed once answered; on an
+event loop (AsyncClient.request) the same, the loop never blocking on a slot."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from shmbroker.client import Client, RequestTimeout, ShmBrokerError
+from shmbroker.client import AsyncClient, Client, RequestTimeout, ShmBrokerError
 from tests.conftest import RunningBroker, arr, running_broker
 
 
@@ -119,3 +120,47 @@ def test_a_run_that_gave_up_waiting_frees_its_slot_once_the_answer_comes(live: R
                 req.run()  # gives up at the deadline and the grace; the slot stays held meanwhile
         # the worker, resumed, answers the late request (TIMEOUT), and that answer frees the slot
         np.testing.assert_allclose(arr(c.infer("tiny", x, timeout=10)), want, rtol=0, atol=1e-5)
+
+
+def test_async_zero_copy_requests_share_the_slots_without_blocking_the_loop(live: RunningBroker) -> None:
+    xs = np.random.default_rng(9).standard_normal((6, 1, 256), dtype=np.float32)
+
+    async def scenario(wants: list[np.ndarray]) -> None:
+        async with AsyncClient(live.runtime_dir, slots=2) as ac:
+            pending = []
+            for x in xs:  # 6 requests through 2 slots: the third block waits for a permit an answer gives back
+                async with ac.request("tiny") as req:
+                    np.copyto(req.inputs["x"], x)
+                    pending.append(req.submit())
+                    with pytest.raises(ShmBrokerError, match="submitted"):
+                        req.submit()
+            for got, want in zip(await asyncio.gather(*pending), wants, strict=True):
+                np.testing.assert_allclose(arr(got), want, rtol=0, atol=1e-5)
+            async with ac.request("tiny"):
+                pass  # nothing submitted: the block's end gives the slot back
+            with live.workers_stopped():
+                held = []
+                for x in xs[:2]:
+                    async with ac.request("tiny") as req:
+                        np.copyto(req.inputs["x"], x)
+                        held.append(req.submit())
+                ticks = 0
+
+                async def tick() -> None:
+                    nonlocal ticks
+                    while True:
+                        ticks += 1
+                        await asyncio.sleep(0)
+
+                ticker = asyncio.create_task(tick())
+                with pytest.raises(RequestTimeout, match=r"no free slot within 0\.2 s"):
+                    async with ac.request("tiny", timeout=0.2):
+                        pass  # both slots are out: the wait for one ends
+                ticker.cancel()
+                assert ticks > 1, "the event loop was blocked while the request waited for a slot"
+            for got, want in zip(await asyncio.gather(*held), wants[:2], strict=True):
+                np.testing.assert_allclose(arr(got), want, rtol=0, atol=1e-5)
+
+    with Client(live.runtime_dir) as c:
+        wants = [tiny_ref(c, x) for x in xs]
+    asyncio.run(scenario(wants))
