@@ -1,6 +1,6 @@
 """shmbroker's client library: ``Client`` (threads and futures) and ``AsyncClient`` (asyncio, uvloop)."""
 
-from shmbroker.client.aio import AsyncClient
+from shmbroker.client.aio import AsyncClient, AsyncRequest
 from shmbroker.client.client import Client
 from shmbroker.client.errors import (
     BadInput,
@@ -18,6 +18,7 @@ from shmbroker.client.request import Request
 
 __all__ = [
     "AsyncClient",
+    "AsyncRequest",
     "BadInput",
     "Client",
     "ClientClosed",
