@@ -14,7 +14,6 @@ import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -35,15 +34,6 @@ def _hand_over(loop: asyncio.AbstractEventLoop, answer: asyncio.Future[Outputs],
         loop.call_soon_threadsafe(_settle, answer, slots, out, err)
     except RuntimeError:  # the loop is closed: nobody waits for the answer any more
         log.debug("an answer came after its event loop closed")
-
-
-def _hand_over_future(loop: asyncio.AbstractEventLoop, answer: asyncio.Future[Outputs], slots: asyncio.Semaphore,
-                      done: Future[Outputs]) -> None:
-    """``_hand_over`` for a submitted zero-copy request: its Future is done, its slot free."""
-    err = done.exception()
-    if err is not None and not isinstance(err, ShmBrokerError):
-        err = ShmBrokerError(f"the request failed: {err!r}")
-    _hand_over(loop, answer, slots, None if err is not None else done.result(), err)
 
 
 def _settle(answer: asyncio.Future[Outputs], slots: asyncio.Semaphore, out: Outputs | None,
@@ -138,12 +128,11 @@ class AsyncClient:
         before = req.submitted
         try:
             with self._cork:
-                done = req.submit()
+                req.call(functools.partial(_hand_over, loop, answer, self._sem))
         except BaseException:
-            if req.submitted and not before:  # this submit() took the request but could not send it: slot free
+            if req.submitted and not before:  # this call took the request but could not send it: slot free
                 self._sem.release()
             raise
-        done.add_done_callback(functools.partial(_hand_over_future, loop, answer, self._sem))
         self._flush_soon(loop)
         return answer
 

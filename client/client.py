@@ -41,7 +41,7 @@ from shmbroker.client.hintwait import HintWait
 from shmbroker.client.links import Links
 from shmbroker.client.receiving import Receiver
 from shmbroker.client.rejoin import RETRY_S, Rejoin
-from shmbroker.client.request import Request
+from shmbroker.client.request import Callback, HeldSlot, Outputs, Request
 from shmbroker.client.session import (
     GRACE_S,
     ModelPlan,
@@ -56,8 +56,7 @@ from shmbroker.client.slots import Pending, Slots
 log = logging.getLogger(__name__)
 
 Inputs = np.ndarray | Mapping[str, np.ndarray]
-Outputs = np.ndarray | dict[str, np.ndarray]
-Callback = Callable[[Outputs | None, ShmBrokerError | None], object]
+__all__ = ["CLOSE_WAIT_S", "Callback", "Client", "Inputs", "Outputs"]  # what other modules import from here
 T = TypeVar("T")
 LEAD_HORIZON_S = 3600.0  # a Future's result() without a timeout leads this long at a time, then waits as usual
 CLOSE_WAIT_S = 5.0  # how long close() (and leaving the with block) lets requests in flight finish
@@ -183,9 +182,11 @@ class Client:
         check_timeout(timeout)
         check_rows(plan, rows, "rows", self.max_items, self.max_items_setting)
         slot = self._slots.acquire(timeout, self._receiver.on_io_thread)
-        req = Request(plan, slot, rows, self.segment, functools.partial(self._run_held, plan, slot, rows, timeout),
-                      functools.partial(self._submit_held, plan, slot, rows, timeout),
-                      functools.partial(self._slots.release, slot))
+        req = Request(plan, slot, rows, self.segment, HeldSlot(
+            functools.partial(self._run_held, plan, slot, rows, timeout),
+            functools.partial(self._submit_held, plan, slot, rows, timeout),
+            functools.partial(self._call_held, plan, slot, rows, timeout),
+            functools.partial(self._slots.release, slot)))
         try:
             yield req
         finally:
@@ -335,6 +336,13 @@ class Client:
         if role.dozing:
             self._receiver_needed()
         return fut
+
+    def _call_held(self, plan: ModelPlan, slot: int, rows: int, timeout: float | None, callback: Callback) -> None:
+        """A zero-copy Request's call(): send the held slot as it is; the slot is freed once answered."""
+        views = self._views_for(plan, slot, rows)
+        if self._role.parked:
+            self._role.unpark()
+        self._send(slot, plan, views, timeout, functools.partial(self._deliver, callback, plan, slot, views), True)
 
     def _submit_held(self, plan: ModelPlan, slot: int, rows: int, timeout: float | None) -> Future[Outputs]:
         """A zero-copy Request's submit(): send the held slot as it is; the slot is freed once answered."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,6 +15,18 @@ from shmbroker.client.errors import ShmBrokerError, from_status
 from shmbroker.client.session import ModelPlan
 
 Outputs = np.ndarray | dict[str, np.ndarray]
+Callback = Callable[[Outputs | None, ShmBrokerError | None], object]
+
+
+@dataclass(frozen=True)
+class HeldSlot:
+    """What a Request does through its client; each sends the held slot as it is (client.client)."""
+
+    run: Callable[[Callable[[], None]], P.Result | ShmBrokerError]  # wait for the answer; call the argument
+    # when it comes, even after run() gave up waiting
+    submit: Callable[[], Future[Outputs]]  # the Future of the outputs, copied out; the slot freed once answered
+    call: Callable[[Callback], None]  # the callback gets the outputs, copied out; the slot freed once answered
+    free: Callable[[], None]  # give the slot back
 
 
 class _EndedInputs(dict[str, np.ndarray]):
@@ -26,7 +39,7 @@ class _EndedInputs(dict[str, np.ndarray]):
 
 class Request:
     """A held slot for zero-copy use: write ``inputs`` in place, then ``run()`` and read the outputs in place, or
-    ``submit()`` and take them, copied, from the Future.
+    ``submit()`` or ``call(callback)`` and take them, copied, from the Future or the callback.
 
     Every view is valid inside the ``with c.request(...)`` block only. NumPy cannot revoke a view, so arrays kept
     past the block still read the slot, which the next request to take it overwrites: copy what you keep. At the
@@ -34,18 +47,11 @@ class Request:
     kept one cannot write into another request's slot (views the caller sliced from them are not reached).
     """
 
-    def __init__(self, plan: ModelPlan, slot: int, rows: int, segment: Segment,
-                 run: Callable[[Callable[[], None]], P.Result | ShmBrokerError], submit: Callable[[], Future[Outputs]],
-                 free: Callable[[], None]) -> None:
-        """``run(answered)`` sends the slot as it is and returns its answer, calling ``answered`` on the receiving
-        thread when it comes, even after run() gave up (Client._run_held); ``submit`` sends it and returns the
-        Future of its copied outputs, the slot freed once answered (Client._submit_held); ``free`` frees the slot."""
+    def __init__(self, plan: ModelPlan, slot: int, rows: int, segment: Segment, held: HeldSlot) -> None:
         self._plan = plan
         self._slot = slot
         self._segment = segment
-        self._run = run
-        self._submit = submit
-        self._free = free
+        self._held = held
         self._ended = False
         self.in_flight = False
         self.submitted = False  # the slot is the request's until answered: the block's end does not free it
@@ -68,7 +74,7 @@ class Request:
         with self._lock:
             self._answered = False
         self.in_flight = True  # stays set if no answer comes in time: the worker may still write the slot
-        r = self._run(self._answer_came)
+        r = self._held.run(self._answer_came)
         self.in_flight = False
         if isinstance(r, ShmBrokerError):
             raise r
@@ -97,11 +103,28 @@ class Request:
             ShmBrokerError: ``REQUEST_ENDED`` after the block; ``REQUEST_SENT`` once submitted.
             WorkerDied: no live worker serves the model (the slot is then free).
         """
-        self._check_usable("submit")
+        self._hand_over("submit")
+        return self._held.submit()
+
+    def call(self, callback: Callback) -> None:
+        """Send the slot as it is; ``callback(outputs, error)`` runs when it is answered, as for ``Client.call``
+        (on the client's receiving thread; it must not block), with the outputs copied out of the slot. The
+        lightest way to keep zero-copy requests in flight. The inputs go read-only, and the slot is freed once
+        the request is answered. Once per request.
+
+        Raises:
+            ShmBrokerError: ``REQUEST_ENDED`` after the block; ``REQUEST_SENT`` once submitted.
+            WorkerDied: no live worker serves the model (the slot is then free).
+        """
+        self._hand_over("call")
+        self._held.call(callback)
+
+    def _hand_over(self, what: str) -> None:
+        """The request is sent without waiting: its slot is its own until answered, its inputs the worker's."""
+        self._check_usable(what)
         self.submitted = True
         for view in self.inputs.values():
             view.flags.writeable = False
-        return self._submit()
 
     def _check_usable(self, what: str) -> None:
         if self._ended:
@@ -117,11 +140,11 @@ class Request:
             self._answered = True
             free = self._abandoned
         if free:
-            self._free()
+            self._held.free()
 
     def end(self) -> None:
         """The block has ended: the views go (``views_gone``) and the slot is freed, unless a request is still
-        out on it (submitted, or a run() that gave up waiting), in which case its answer frees it."""
+        out on it (submitted or called, or a run() that gave up waiting), in which case its answer frees it."""
         self.views_gone()
         if self.submitted:
             return
@@ -129,7 +152,7 @@ class Request:
             free = not self.in_flight or self._answered
             self._abandoned = not free
         if free:
-            self._free()
+            self._held.free()
 
     def views_gone(self) -> None:
         """The block has ended: later run() and inputs[...] raise REQUEST_ENDED; handed-out arrays go read-only."""

@@ -7,6 +7,8 @@ event loop (AsyncClient.request) the same, the loop never blocking on a slot."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -164,3 +166,31 @@ def test_async_zero_copy_requests_share_the_slots_without_blocking_the_loop(live
     with Client(live.runtime_dir) as c:
         wants = [tiny_ref(c, x) for x in xs]
     asyncio.run(scenario(wants))
+
+
+def test_call_sends_the_filled_slot_and_the_callback_gets_a_copy(live: RunningBroker) -> None:
+    xs = np.random.default_rng(11).standard_normal((5, 1, 256), dtype=np.float32)
+    got: dict[int, np.ndarray] = {}
+    errors: list[ShmBrokerError] = []
+    all_in = threading.Event()
+
+    def done(i: int, out: object, err: ShmBrokerError | None) -> None:
+        if err is not None:
+            errors.append(err)
+        else:
+            got[i] = arr(out)
+        if len(got) + len(errors) == len(xs):
+            all_in.set()
+
+    with Client(live.runtime_dir, slots=2) as c:
+        wants = [tiny_ref(c, x) for x in xs]
+        for i, x in enumerate(xs):  # 5 requests through 2 slots: each answer frees its slot for the next
+            with c.request("tiny") as req:
+                np.copyto(req.inputs["x"], x)
+                req.call(functools.partial(done, i))
+                with pytest.raises(ShmBrokerError, match="submitted"):
+                    req.run()
+        assert all_in.wait(30) and not errors, errors
+    for i, want in enumerate(wants):
+        assert got[i].flags.owndata, "the callback's outputs are a copy: the slot serves other requests"
+        np.testing.assert_allclose(got[i], want, rtol=0, atol=1e-5)
