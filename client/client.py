@@ -182,11 +182,11 @@ class Client:
         check_timeout(timeout)
         check_rows(plan, rows, "rows", self.max_items, self.max_items_setting)
         slot = self._slots.acquire(timeout, self._receiver.on_io_thread)
-        req = Request(plan, slot, rows, self.segment, HeldSlot(
+        req = Request(plan, slot, self.segment, HeldSlot(
             functools.partial(self._run_held, plan, slot, rows, timeout),
             functools.partial(self._submit_held, plan, slot, rows, timeout),
             functools.partial(self._call_held, plan, slot, rows, timeout),
-            functools.partial(self._slots.release, slot)))
+            functools.partial(self._slots.release, slot)), self._views_for(plan, slot, rows).ins)
         try:
             yield req
         finally:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -47,7 +47,10 @@ class Request:
     kept one cannot write into another request's slot (views the caller sliced from them are not reached).
     """
 
-    def __init__(self, plan: ModelPlan, slot: int, rows: int, segment: Segment, held: HeldSlot) -> None:
+    def __init__(self, plan: ModelPlan, slot: int, segment: Segment, held: HeldSlot,
+                 ins: Sequence[np.ndarray]) -> None:
+        """``ins``: the slot's input views for this row count (the client's, which it copies through; this
+        request hands out views of them, its own to freeze)."""
         self._plan = plan
         self._slot = slot
         self._segment = segment
@@ -59,11 +62,7 @@ class Request:
         self._lock = threading.Lock()
         self._answered = False  # the last run()'s answer has come
         self._abandoned = False  # the block has ended with that answer still to come
-        offsets = plan.input_offsets(rows)
-        self.inputs: dict[str, np.ndarray] = {
-            s.name: segment.input_view(slot, offsets[k], plan.in_dtypes[k], (rows, *plan.in_item_shapes[k]))
-            for k, s in enumerate(plan.info.inputs)
-        }
+        self.inputs: dict[str, np.ndarray] = {s.name: v.view() for s, v in zip(plan.info.inputs, ins, strict=True)}
         self._handed: list[np.ndarray] = list(self.inputs.values())  # frozen at the end of the block
         self.outputs: dict[str, np.ndarray] = {}
 
