@@ -1,12 +1,14 @@
-"""``python -m shmbroker.bench.apis``: the three ways to keep requests in flight, against each other, in one run.
+"""``python -m shmbroker.bench.apis``: the ways to keep requests in flight, against each other, in one run.
 
 Each round measures, on the bench's own broker and the ``tiny`` model: the callback API (``Client.call`` chains,
 ``--processes`` processes), Futures (``Client.submit``, the same processes, each waiting on its oldest Future
-before it submits the next) and ``AsyncClient`` (one process, one task per request in flight). No API inspects
-its answers inside the window (the end-to-end tests check them), so none pays for it. Every API keeps
-``--in-flight`` requests in flight in all. The targets: Futures and AsyncClient each at least 0.8 x the
-callbacks, the median of the rounds' ratios. JSON on stdout (``--out`` for a file), progress on stderr.
-Figures: bench/RESULTS.md#client-apis.
+before it submits the next) and ``AsyncClient`` (one process, one task per request in flight); for
+information, the zero-copy forms of the callbacks (``request()`` filled in place, then ``call``) and of
+AsyncClient (``request()``, then ``submit()``), whose inputs are small here, so they show the cost and none of
+the saving. No API inspects its answers inside the window (the end-to-end tests check them), so none pays for
+it. Every API keeps ``--in-flight`` requests in flight in all. The targets: Futures and AsyncClient each at
+least 0.8 x the callbacks, the median of the rounds' ratios. JSON on stdout (``--out`` for a file), progress
+on stderr. Figures: bench/RESULTS.md#client-apis.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +36,16 @@ from shmbroker.client import AsyncClient, Client
 
 MODEL = "tiny"
 TARGET = 0.8
-APIS = ("call", "submit", "async")
+APIS = ("call", "submit", "async", "zero", "async_zero")
+
+
+def _started(c: Client, x: np.ndarray, spec: dict[str, Any], sync: Sync) -> tuple[float, float]:
+    """Warm ``c`` up, wait for the others, and return the window (start of counting, end) on perf_counter."""
+    for _ in range(spec["warmup_requests"]):
+        c.infer(MODEL, x)
+    sync()
+    t0 = time.perf_counter()
+    return t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"]
 
 
 def submit_client(spec: dict[str, Any], sync: Sync) -> Figures:
@@ -41,12 +53,8 @@ def submit_client(spec: dict[str, Any], sync: Sync) -> Figures:
     in_flight: int = spec["in_flight"]
     with Client(spec["runtime_dir"], slots=2 * in_flight, name=f"bench-submit-{spec['index']}") as c:
         x = np.full((1, 256), 0.25 + spec["index"], np.float32)
-        for _ in range(spec["warmup_requests"]):
-            c.infer(MODEL, x)
-        sync()
+        t_count, t_end = _started(c, x, spec, sync)
         pending = collections.deque(c.submit(MODEL, x) for _ in range(in_flight))
-        t0 = time.perf_counter()
-        t_count, t_end = t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"]
         completed = 0
         while pending:
             pending.popleft().result(30)
@@ -58,6 +66,36 @@ def submit_client(spec: dict[str, Any], sync: Sync) -> Figures:
     return {"completed": completed, "errors": 0, "error_codes": {}}
 
 
+def zero_client(spec: dict[str, Any], sync: Sync) -> Figures:
+    """``in_flight`` chains of zero-copy requests: each callback fills a held slot in place and ``call``s it."""
+    in_flight: int = spec["in_flight"]
+    with Client(spec["runtime_dir"], slots=2 * in_flight, name=f"bench-zero-{spec['index']}") as c:
+        x = np.full((1, 256), 0.5 + spec["index"], np.float32)
+        t_count, t_end = _started(c, x, spec, sync)
+        counted, live, drained = [0], [in_flight], threading.Event()
+
+        def send() -> None:
+            with c.request(MODEL) as req:
+                np.copyto(req.inputs["x"], x)
+                req.call(done)
+
+        def done(_out: object, err: object) -> None:
+            now = time.perf_counter()
+            if err is None and t_count <= now < t_end:
+                counted[0] += 1
+            if now < t_end:
+                send()
+            else:
+                live[0] -= 1  # the client's one receiving thread runs every callback
+                if not live[0]:
+                    drained.set()
+
+        for _ in range(in_flight):
+            send()
+        drained.wait(spec["warmup_s"] + spec["duration_s"] + 30)
+    return {"completed": counted[0], "errors": 0, "error_codes": {}}
+
+
 async def _async_window(spec: dict[str, Any]) -> Figures:
     async with AsyncClient(spec["runtime_dir"], slots=2 * spec["in_flight"], name="bench-async") as c:
         x = np.full((1, 256), 0.75, np.float32)
@@ -67,9 +105,17 @@ async def _async_window(spec: dict[str, Any]) -> Figures:
         t0 = time.perf_counter()
         t_count, t_end = t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"]
 
+        async def one() -> object:
+            if not spec.get("zero"):
+                return await c.infer(MODEL, x)
+            async with c.request(MODEL) as req:
+                np.copyto(req.inputs["x"], x)
+                fut = req.submit()
+            return await fut
+
         async def chain() -> None:
             while (now := time.perf_counter()) < t_end:
-                await c.infer(MODEL, x)
+                await one()
                 if t_count <= now and time.perf_counter() < t_end:
                     counted[0] += 1
 
@@ -92,10 +138,11 @@ def async_client(spec: dict[str, Any], sync: Sync) -> Figures:
 def _window(progress: Progress, runtime_dir: Path, api: str, processes: int, in_flight: int,
             duration_s: float) -> float:
     """Answers per second of one API, all its processes together."""
-    n = 1 if api == "async" else processes
+    n = 1 if api.startswith("async") else processes
     base = {"runtime_dir": str(runtime_dir), "model": MODEL, "warmup_s": 0.5, "duration_s": duration_s,
-            "warmup_requests": 20}
-    target = {"call": throughput_client, "submit": submit_client, "async": async_client}[api]
+            "warmup_requests": 20, "zero": api.endswith("zero")}
+    target = {"call": throughput_client, "submit": submit_client, "async": async_client, "zero": zero_client,
+              "async_zero": async_client}[api]
     specs = [{**base, "index": i, "seed": i, "in_flight": in_flight // n} for i in range(n)]
     results = run_group(progress, target, specs, 0.5 + duration_s)
     errors = sum(r["errors"] for r in results)
@@ -124,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   args.duration) for api in APIS}
             f["submit_over_call"] = round(f["submit_per_s"] / f["call_per_s"], 3)
             f["async_over_call"] = round(f["async_per_s"] / f["call_per_s"], 3)
+            f["zero_over_call"] = round(f["zero_per_s"] / f["call_per_s"], 3)  # information
+            f["async_zero_over_async"] = round(f["async_zero_per_s"] / f["async_per_s"], 3)  # information
             progress.done(json.dumps(f))
             rounds.append(f)
     targets = {k: {"value": statistics.median(f[k] for f in rounds), "op": ">=", "target": TARGET}
