@@ -22,6 +22,7 @@ from shmbroker.client.checks import check_timeout
 from shmbroker.client.client import CLOSE_WAIT_S, Client, Inputs, Outputs
 from shmbroker.client.errors import RequestTimeout, ShmBrokerError
 from shmbroker.client.request import Request
+from shmbroker.client.slots import no_free_slot
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +154,7 @@ class AsyncClient:
         try:
             await asyncio.wait_for(self._sem.acquire(), timeout)
         except TimeoutError:
-            n = self._client.slots
-            raise RequestTimeout(f"no free slot within {timeout} s (all {n} slots in flight)") from None
+            raise RequestTimeout(no_free_slot(timeout, self._client.slots, self._client.slots_setting)) from None
 
     def _flush(self) -> None:
         self._flush_scheduled = False

@@ -207,6 +207,15 @@ class Client:
         return self._slots.n
 
     @property
+    def slots_setting(self) -> str:
+        """How this client's user raises its slots, named when none is free (a front-end names its own option)."""
+        return self._slots.setting
+
+    @slots_setting.setter
+    def slots_setting(self, setting: str) -> None:
+        self._slots.setting = setting
+
+    @property
     def connected(self) -> bool:
         """Whether the client has a session: False from the broker's loss until a new session is taken."""
         return not self._rejoin.lost

@@ -28,6 +28,14 @@ class Pending:
     layout: RowsLayout
 
 
+SLOTS_SETTING = "Client(slots=...)"
+
+
+def no_free_slot(timeout: float, n: int, setting: str) -> str:
+    """The message of a wait for a slot that timed out."""
+    return f"no free slot within {timeout} s (all {n} slots in flight: raise {setting}, or the timeout)"
+
+
 class Slots:
     """Invariant: a slot is free, or held by a caller writing it (or a zero-copy Request), or in ``pending``.
 
@@ -43,6 +51,7 @@ class Slots:
         self.cond = threading.Condition()  # slot freed, links changed, session back: waiters look again
         self._waiters = 0
         self.open = True  # False once close() began: no slot is handed out
+        self.setting = SLOTS_SETTING  # how the user raises the slots, named when none is free
 
     def acquire(self, timeout: float | None, io_thread: Callable[[], bool]) -> int:
         """A free slot, waiting up to ``timeout`` s for one; a caller for which ``io_thread()`` is True (a
@@ -66,10 +75,10 @@ class Slots:
                 pass
             if io_thread:
                 raise Overloaded(f"all {self.n} slots are in flight, and a completion callback cannot wait for "
-                                 "one (raise Client(slots=...))")
+                                 f"one (raise {self.setting})")
             left = None if end is None else end - time.monotonic()
-            if left is not None and left <= 0:
-                raise RequestTimeout(f"no free slot within {timeout} s (all {self.n} slots in flight)")
+            if timeout is not None and left is not None and left <= 0:
+                raise RequestTimeout(no_free_slot(timeout, self.n, self.setting))
             with self.cond:
                 self._waiters += 1
                 try:

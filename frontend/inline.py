@@ -45,6 +45,7 @@ INLINE_MODELS_REPLY = 43  # body InlineModelsReply: the models SETUP carries and
 SOCKET_NAME = "inline.sock"
 LOCK_NAME = "inline.lock"  # not *.sock: the broker's stale-socket cleanup leaves it alone, and it is never unlinked
 MAX_ITEMS_SETTING = "shmbroker inline --max-items"  # what a BAD_SHAPE answer over the session's rows names
+SLOTS_SETTING = "shmbroker inline --slots"  # what a wait for a slot that timed out names
 MAX_PENDING_SETTING = "shmbroker inline --max-pending"  # what an OVERLOADED answer of the gateway's names
 MAX_PENDING_MIB_SETTING = "shmbroker inline --max-pending-mib"
 MIB = 1 << 20
@@ -435,6 +436,7 @@ async def _connect(rd: Path, args: argparse.Namespace, stop: asyncio.Event) -> A
             client = await loop.run_in_executor(None, lambda: AsyncClient(
                 rd, slots=args.slots, max_items=args.max_items, name="inline-gateway"))
             client.client.max_items_setting = MAX_ITEMS_SETTING
+            client.client.slots_setting = SLOTS_SETTING
             return client
         except ShmBrokerError as exc:
             log.warning("no session with the broker on %s yet (%s); retrying", rd, exc)

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_ITEMS_SETTING = "shmbroker http --max-items"  # what a BAD_SHAPE answer over the session's rows names
+SLOTS_SETTING = "shmbroker http --slots"  # what a wait for a slot that timed out names
 PID_HEADER = "X-Shmbroker-Frontend-Pid"  # which front-end process answered (tests check that several share a port)
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})  # answered without the API key: probes carry none
 BACKLOG = 128
@@ -203,6 +204,7 @@ class Frontend:
                     s.runtime_dir, slots=s.slots, max_items=s.max_items, connect_timeout=s.connect_timeout_s,
                     name=f"http-{os.getpid()}"))
                 self.client.client.max_items_setting = MAX_ITEMS_SETTING
+                self.client.client.slots_setting = SLOTS_SETTING
                 return
             except ShmBrokerError as exc:
                 log.warning("no session with the broker on %s yet (%s); retrying", s.runtime_dir, exc)

@@ -12,6 +12,7 @@ import signal
 import socket
 import stat
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -163,6 +164,35 @@ def test_rows_past_the_session_name_the_front_ends_option(front: Front, tmp_path
     finally:
         small.proc.send_signal(signal.SIGTERM)
         assert small.proc.wait(60) == 0
+
+
+def test_a_wait_for_a_slot_past_the_timeout_is_504_naming_the_front_ends_option(front: Front, tmp_path: Path) -> None:
+    one = start_frontend(front.broker, tmp_path / "one.log", workers=1, extra=("--slots", "1"))
+
+    def body(timeout_us: int | None) -> bytes:
+        params = {"parameters": {"timeout": timeout_us}} if timeout_us else {}
+        return json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256], "data": [1.0] * 256}],
+                           **params}).encode()
+
+    try:
+        first: list[int] = []
+        with front.broker.workers_stopped():
+            before = front.broker.submitted_slots()
+            holder = threading.Thread(target=lambda: first.append(one.raw("POST", "/v2/models/tiny/infer",
+                                                                          body(None))[0]))
+            holder.start()  # takes the front-end's only slot until the workers go on
+            deadline = time.monotonic() + 30
+            while front.broker.submitted_slots() == before and time.monotonic() < deadline:
+                time.sleep(0.005)  # a test's poll of the ring, not a wait in the product
+            status, _h, resp = one.raw("POST", "/v2/models/tiny/infer", body(200_000))
+        assert status == 504, resp
+        error = json.loads(resp)["error"]
+        assert "no free slot within 0.2 s" in error and "shmbroker http --slots" in error, error
+        holder.join(60)
+        assert first == [200]
+    finally:
+        one.proc.send_signal(signal.SIGTERM)
+        assert one.proc.wait(60) == 0
 
 
 def test_overload_is_503_and_the_rest_succeed(front: Front) -> None:

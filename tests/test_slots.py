@@ -42,7 +42,8 @@ def test_none_free_within_the_timeout_says_how_many_are_in_flight() -> None:
     slots = Slots(2)
     slots.acquire(None, _no)
     slots.acquire(None, _no)
-    with pytest.raises(RequestTimeout, match=r"no free slot within 0.01 s \(all 2 slots in flight\)"):
+    with pytest.raises(RequestTimeout, match=r"no free slot within 0.01 s \(all 2 slots in flight: raise "
+                                             r"Client\(slots=\.\.\.\), or the timeout\)"):
         slots.acquire(0.01, _no)
 
 
