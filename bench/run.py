@@ -107,6 +107,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--inductor", default="", metavar="PACKAGE", help="--gpu: the inductor column's package")
     ap.add_argument("--sweep-max", type=int, default=256, metavar="N", help="--gpu: (a) sweeps batches up to N")
     ap.add_argument("--max-batch", type=int, default=0, metavar="N", help="--gpu: the model's max_batch in (c)")
+    ap.add_argument("--streams", type=int, default=0, metavar="N", help="--gpu: the model's stream slots in (c)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="model_options",
+                    help="--gpu: a key of the model's section in (c), or SECTION.KEY of another (repeatable)")
+    ap.add_argument("--api", choices=("call", "infer"), default="call",
+                    help="--gpu: (c)'s clients, Client.call chains (default) or threads calling Client.infer")
     ap.add_argument("--only", default="copies,limit,classic,broker", metavar="PHASES",
                     help="--gpu: a subset of copies,limit,classic,broker")
 

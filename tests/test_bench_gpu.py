@@ -1,4 +1,4 @@
-"""bench.gpu: the options of its client processes."""
+"""bench.gpu: the options of its client processes, and `shmbroker bench --gpu` takes all of its options."""
 
 from __future__ import annotations
 
@@ -16,3 +16,16 @@ def test_the_api_option_defaults_to_callbacks_and_takes_infer() -> None:
     assert gpu.Settings.of(ap.parse_args(["--api", "infer", "--quick"])) == gpu.Settings(2.0, 0.5, 16, 8, api="infer")
     with pytest.raises(SystemExit):
         ap.parse_args(["--api", "submit"])
+
+
+def test_shmbroker_bench_gpu_takes_every_option_of_the_gpu_bench() -> None:
+    """`shmbroker bench --gpu` hands its options to bench.gpu, so it must parse each of them."""
+    from shmbroker.bench import run
+
+    cli, own = argparse.ArgumentParser(), argparse.ArgumentParser()
+    run.add_arguments(cli)
+    gpu.add_arguments(own)
+    missing = {a.dest for a in own._actions} - {a.dest for a in cli._actions}
+    assert not missing, f"shmbroker bench lacks the GPU bench's options {sorted(missing)}"
+    args = cli.parse_args(["--gpu", "--api", "infer", "--streams", "2", "--set", "trim_to_sizes=false"])
+    assert gpu.Settings.of(args).api == "infer" and args.streams == 2 and args.model_options == ["trim_to_sizes=false"]
