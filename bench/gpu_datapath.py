@@ -12,8 +12,10 @@ what the copies cost the device.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
+from collections.abc import Iterator
 
 from shmbroker.bench.common import Figures
 from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
@@ -61,21 +63,30 @@ def with_copies(engine: DeviceEngine, streams: int, rows: int, duration_s: float
     """
     in_bytes = sum(s.item_bytes for s in engine.inputs)
     out_bytes = sum(s.item_bytes for s in engine.outputs)
-    seg = Segment.create(segment_name("bench" + secrets.token_hex(4), 0), RingLayout(1, rows, in_bytes, out_bytes))
     slots: list[StreamSlot] = []
-    registered = False
+    with registered_ring(RingLayout(1, rows, in_bytes, out_bytes)) as seg:
+        try:
+            for i in range(streams):
+                slots.append(StreamSlot(i, engine, rows))
+            return run_batches(engine, slots, seg, rows, duration_s)
+        finally:
+            for s in slots:
+                s.stream.synchronize()
+                s.close()
+
+
+@contextlib.contextmanager
+def registered_ring(layout: RingLayout) -> Iterator[Segment]:
+    """A ring segment of ``layout``, page-locked for DMA (cudaHostRegister) as a session's ring is, for the
+    span of a ``with``; its copies must be finished when the block ends."""
+    seg = Segment.create(segment_name("bench" + secrets.token_hex(4), 0), layout)
     try:
         cuda.host_register(seg.address, seg.nbytes)
-        registered = True
-        for i in range(streams):
-            slots.append(StreamSlot(i, engine, rows))
-        return run_batches(engine, slots, seg, rows, duration_s)
-    finally:
-        for s in slots:
-            s.stream.synchronize()
-            s.close()
-        if registered:
+        try:
+            yield seg
+        finally:
             cuda.host_unregister(seg.address)
+    finally:
         seg.close()
 
 

@@ -15,7 +15,6 @@ host (the issuing thread's cost, which the pipeline pays under the GIL) and on t
 
 from __future__ import annotations
 
-import secrets
 import statistics
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from collections.abc import Callable
 from shmbroker.bench import gpu_datapath
 from shmbroker.bench.common import Figures, Progress
 from shmbroker.broker.common.config import Config
-from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
+from shmbroker.broker.common.ring import RingLayout
 from shmbroker.gpu_worker import cuda, model_source
 from shmbroker.gpu_worker.engines import load_engine
 from shmbroker.gpu_worker.engines.base import DeviceContext, DeviceEngine
@@ -183,28 +182,24 @@ def copies(device: int, in_bytes: int, out_bytes: int) -> Figures:
     cuda.set_device(device)
     n_max = max(COPY_COUNTS)
     layout = RingLayout(1, n_max, in_bytes, max(out_bytes, 64))
-    seg = Segment.create(segment_name("bench" + secrets.token_hex(4), 0), layout)
     stream = cuda.Stream()
     start, end = cuda.Event(timing=True), cuda.Event(timing=True)
     out: Figures = {"in_bytes": in_bytes, "out_bytes": out_bytes, "reps": COPY_REPS,
                     "batch_call_available": cuda.has_memcpy_batch()}
-    registered = False
     try:
-        cuda.host_register(seg.address, seg.nbytes)
-        registered = True
-        with cuda.DeviceBuffer(n_max * in_bytes) as dev_in, cuda.DeviceBuffer(n_max * max(out_bytes, 64)) as dev_out:
-            for n in COPY_COUNTS:
-                h2d = ([dev_in.ptr + i * in_bytes for i in range(n)],
-                       [seg.address + layout.input_bases[i] for i in range(n)], [in_bytes] * n, "h2d")
-                d2h = ([seg.address + layout.output_bases[i] for i in range(n)],
-                       [dev_out.ptr + i * out_bytes for i in range(n)], [out_bytes] * n, "d2h")
-                for name, (dsts, srcs, sizes, kind) in (("h2d", h2d), ("d2h", d2h)):
-                    out[f"{name}_x{n}"] = _compare(dsts, srcs, sizes, kind, stream, start, end)
+        with gpu_datapath.registered_ring(layout) as seg, cuda.DeviceBuffer(n_max * in_bytes) as dev_in, \
+                cuda.DeviceBuffer(n_max * max(out_bytes, 64)) as dev_out:
+            try:
+                for n in COPY_COUNTS:
+                    h2d = ([dev_in.ptr + i * in_bytes for i in range(n)],
+                           [seg.address + layout.input_bases[i] for i in range(n)], [in_bytes] * n, "h2d")
+                    d2h = ([seg.address + layout.output_bases[i] for i in range(n)],
+                           [dev_out.ptr + i * out_bytes for i in range(n)], [out_bytes] * n, "d2h")
+                    for name, (dsts, srcs, sizes, kind) in (("h2d", h2d), ("d2h", d2h)):
+                        out[f"{name}_x{n}"] = _compare(dsts, srcs, sizes, kind, stream, start, end)
+            finally:
+                stream.synchronize()  # before the buffers and the ring's registration go
     finally:
-        stream.synchronize()
-        if registered:
-            cuda.host_unregister(seg.address)
-        seg.close()
         stream.close()
     return out
 
