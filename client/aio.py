@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from shmbroker.client.checks import check_timeout
-from shmbroker.client.client import CLOSE_WAIT_S, Client, Inputs, Outputs
+from shmbroker.client.client import CLOSE_WAIT_S, Callback, Client, Inputs, Outputs
 from shmbroker.client.errors import RequestTimeout, ShmBrokerError
 from shmbroker.client.request import Request
 from shmbroker.client.slots import no_free_slot
@@ -97,16 +97,7 @@ class AsyncClient:
             await self._sem.acquire()
         else:
             await self._slot_within(timeout)
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future[Outputs] = loop.create_future()
-        try:
-            with self._cork:
-                self._client.call(model, inputs, functools.partial(_hand_over, loop, answer, self._sem), timeout)
-        except BaseException:
-            self._sem.release()  # not sent: no answer will give the permit back
-            raise
-        self._flush_soon(loop)
-        return await answer
+        return await self._sent(lambda done: self._client.call(model, inputs, done, timeout), lambda: True)
 
     @contextlib.asynccontextmanager
     async def request(self, model: str, rows: int = 1, timeout: float | None = None) -> AsyncIterator[AsyncRequest]:
@@ -124,14 +115,20 @@ class AsyncClient:
                 self._sem.release()
 
     def _submit_held(self, req: Request) -> asyncio.Future[Outputs]:
+        before = req.submitted
+        # a refused call (REQUEST_ENDED, REQUEST_SENT) leaves the permit to the block or the earlier submit
+        return self._sent(req.call, lambda: req.submitted and not before)
+
+    def _sent(self, send: Callable[[Callback], object], took_slot: Callable[[], bool]) -> asyncio.Future[Outputs]:
+        """Send one request with ``send(callback)``; the future that its answer settles, giving the permit back.
+        If ``send`` raises, the permit goes back at once where ``took_slot()`` says the request had taken it."""
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Outputs] = loop.create_future()
-        before = req.submitted
         try:
             with self._cork:
-                req.call(functools.partial(_hand_over, loop, answer, self._sem))
+                send(functools.partial(_hand_over, loop, answer, self._sem))
         except BaseException:
-            if req.submitted and not before:  # this call took the request but could not send it: slot free
+            if took_slot():  # not sent: no answer will give the permit back
                 self._sem.release()
             raise
         self._flush_soon(loop)

@@ -165,10 +165,7 @@ class Client:
         requests submitted from a callback go out together in one message.
         """
         plan, slot, views = self._fill(model, inputs, timeout)
-        if self._role.parked:
-            self._role.unpark()
-        # a partial, not a lambda: completing the request then runs one Python frame fewer
-        self._send(slot, plan, views, timeout, functools.partial(self._deliver, callback, plan, slot, views), True)
+        self._call_slot(plan, slot, views, timeout, callback)
 
     @contextlib.contextmanager
     def request(self, model: str, rows: int = 1, timeout: float | None = None) -> Iterator[Request]:
@@ -346,12 +343,17 @@ class Client:
             self._receiver_needed()
         return fut
 
-    def _call_held(self, plan: ModelPlan, slot: int, rows: int, timeout: float | None, callback: Callback) -> None:
-        """A zero-copy Request's call(): send the held slot as it is; the slot is freed once answered."""
-        views = self._views_for(plan, slot, rows)
+    def _call_slot(self, plan: ModelPlan, slot: int, views: SlotViews, timeout: float | None,
+                   callback: Callback) -> None:
+        """Send a filled slot; ``callback`` runs once the request is answered and its slot is free."""
         if self._role.parked:
             self._role.unpark()
+        # a partial, not a lambda: completing the request then runs one Python frame fewer
         self._send(slot, plan, views, timeout, functools.partial(self._deliver, callback, plan, slot, views), True)
+
+    def _call_held(self, plan: ModelPlan, slot: int, rows: int, timeout: float | None, callback: Callback) -> None:
+        """A zero-copy Request's call(): send the held slot as it is; the slot is freed once answered."""
+        self._call_slot(plan, slot, self._views_for(plan, slot, rows), timeout, callback)
 
     def _submit_held(self, plan: ModelPlan, slot: int, rows: int, timeout: float | None) -> Future[Outputs]:
         """A zero-copy Request's submit(): send the held slot as it is; the slot is freed once answered."""

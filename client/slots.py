@@ -31,7 +31,7 @@ class Pending:
 SLOTS_SETTING = "Client(slots=...)"
 
 
-def no_free_slot(timeout: float, n: int, setting: str) -> str:
+def no_free_slot(timeout: float | None, n: int, setting: str) -> str:
     """The message of a wait for a slot that timed out."""
     return f"no free slot within {timeout} s (all {n} slots in flight: raise {setting}, or the timeout)"
 
@@ -77,7 +77,7 @@ class Slots:
                 raise Overloaded(f"all {self.n} slots are in flight, and a completion callback cannot wait for "
                                  f"one (raise {self.setting})")
             left = None if end is None else end - time.monotonic()
-            if timeout is not None and left is not None and left <= 0:
+            if left is not None and left <= 0:
                 raise RequestTimeout(no_free_slot(timeout, self.n, self.setting))
             with self.cond:
                 self._waiters += 1
