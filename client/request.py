@@ -142,9 +142,9 @@ class Request:
             self._held.free()
 
     def end(self) -> None:
-        """The block has ended: the views go (``views_gone``) and the slot is freed, unless a request is still
+        """The block has ended: the views go (``_views_gone``) and the slot is freed, unless a request is still
         out on it (submitted or called, or a run() that gave up waiting), in which case its answer frees it."""
-        self.views_gone()
+        self._views_gone()
         if self.submitted:
             return
         with self._lock:
@@ -153,7 +153,7 @@ class Request:
         if free:
             self._held.free()
 
-    def views_gone(self) -> None:
+    def _views_gone(self) -> None:
         """The block has ended: later run() and inputs[...] raise REQUEST_ENDED; handed-out arrays go read-only."""
         self._ended = True
         for view in self._handed:
