@@ -6,9 +6,10 @@ batch itself (``try_inline``), so a lone request waits for no thread's wake-up; 
 (3) gather: async H2D of each request from its registered ring slot straight into its rows of the slot's
 device input buffer; (4) enqueue the engine on the slot's stream; (5) async D2H of each request's rows
 straight into its own ring slot; (6) record the end event and hand the slot to the completion thread.
-Completion thread: (7) wait for each batch's end event in launch order (polling a lone short batch's,
-sleeping in the driver on any other), mark its slots DONE and send DONE (``runner.complete_ok``, the same
-code the CPU runner uses), feed the stage histograms, return the stream slot.
+Completion thread: (7) wait for each batch's end event in launch order (spinning on a lone short batch's,
+asleep in the driver on any other), return the stream slot (the device is done with it), mark its ring
+slots DONE and send DONE (``runner.complete_ok``, the same code the CPU runner uses), feed the stage
+histograms.
 
 Nothing on this path allocates device or page-locked memory: the contexts' buffers are made at start and
 the rings are registered once per session (``WorkerSession.ensure_registered``).
@@ -17,7 +18,6 @@ the rings are registered once per session (``WorkerSession.ensure_registered``).
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -40,9 +40,9 @@ log = logging.getLogger(__name__)
 STAGES = ("queue", "h2d", "compute", "d2h", "answer")
 POLL_S = 0.5  # how often a waiting runner looks at its stop flag
 BATCHED_COPIES = False  # until warm_up has measured which way of issuing copies costs this thread less
-# A lone batch expected to take at most this long has its end event polled: the driver's blocking wait wakes
-# the completion thread 100-200 us after the device ends (bench/RESULTS.md#a-lone-request-on-the-h200).
-POLL_END_MAX_MS = 2.0
+# A lone batch expected to take at most this long is waited for spinning: the driver's blocking wait wakes the
+# completion thread 100-200 us after the device ends (bench/RESULTS.md#a-lone-request-on-the-h200).
+SPIN_END_MAX_MS = 2.0
 
 
 class PipelineRunner(BatchRunner):
@@ -199,6 +199,9 @@ class PipelineRunner(BatchRunner):
         dsts, srcs, sizes = self.copies.outputs(works, ctx.output_ptrs)
         self.copies.issue(dsts, srcs, sizes, "d2h", stream)  # (5)
         slot.end.record(stream)  # (6)
+        slot.lone = self._lone(rows)
+        if slot.lone:
+            slot.end_spin.record(stream)
         return rows
 
     def _abandon(self, slot: StreamSlot, works: list[Work], exc: BaseException) -> None:
@@ -213,7 +216,8 @@ class PipelineRunner(BatchRunner):
         self._finished(slot)
 
     def _finished(self, slot: StreamSlot) -> None:
-        """A slot's batch is answered: the slot is free, and the batcher knows one batch fewer runs."""
+        """A slot's batch has ended on the device (its answers may still be going out): the slot is free, and
+        the batcher knows one batch fewer runs."""
         self.batcher.done()
         self._free.put(slot)
 
@@ -232,19 +236,22 @@ class PipelineRunner(BatchRunner):
                 self.fail(works, exc)
                 self._finished(slot)
                 continue
+            stages, launched = self._stage_ms(slot), slot.launched  # read before the slot is reused
+            self._finished(slot)  # the device is done with it: the next batch may launch while DONEs go out
             complete_ok(self.codec, self.counters, works)  # answers first, statistics after
-            self._record_stages(slot)  # reads the clock for "answer": right after the DONEs
-            self._finished(slot)
+            self._record_stages(stages, launched)  # reads the clock for "answer": right after the DONEs
 
     def _wait_end(self, slot: StreamSlot) -> None:
-        """Return once the slot's batch has ended on the device. A lone batch expected within
-        ``POLL_END_MAX_MS`` is polled, giving the core away between polls, for up to twice its expected time;
-        any other (or one that overruns) waits asleep in the driver."""
-        expected = self.expected_ms(slot.rows)
-        if (self.batcher.running == 1 and expected is not None and expected <= POLL_END_MAX_MS
-                and _poll(slot.end, slot.launched + 2 * expected / 1e3 + 1e-3)):
-            return
-        slot.end.synchronize()
+        """Return once the slot's batch has ended on the device: spinning in the driver (the GIL let go) for a
+        batch launched alone and short, asleep in the driver for any other."""
+        (slot.end_spin if slot.lone else slot.end).synchronize()
+
+    def _lone(self, rows: int) -> bool:
+        """Whether a batch just launched runs alone and is expected within ``SPIN_END_MAX_MS``."""
+        if self.batcher.running != 1:
+            return False
+        expected = self.expected_ms(rows)
+        return expected is not None and expected <= SPIN_END_MAX_MS
 
     def expected_ms(self, rows: int) -> float | None:
         """A batch's device time for ``rows`` rows, interpolated between warm-up's one-row and max-batch times."""
@@ -254,26 +261,21 @@ class PipelineRunner(BatchRunner):
         span = max(1, self.model.max_batch - 1)
         return one + (most - one) * (rows - 1) / span
 
-    def _record_stages(self, slot: StreamSlot) -> None:
+    def _stage_ms(self, slot: StreamSlot) -> tuple[float, float, float] | None:
         try:
-            h2d, compute, d2h = slot.stage_ms()
+            return slot.stage_ms()
         except cuda.CudaError as exc:
             log.warning("model %s: stage timing failed: %s", self.model.name, exc)
+            return None
+
+    def _record_stages(self, stages: tuple[float, float, float] | None, launched: float) -> None:
+        if stages is None:
             return
+        h2d, compute, d2h = stages
         self.stages["h2d"].add(h2d * 1e3)
         self.stages["compute"].add(compute * 1e3)
         self.stages["d2h"].add(d2h * 1e3)
-        self.stages["answer"].add(max(0.0, (time.monotonic() - slot.launched) * 1e6 - (h2d + compute + d2h) * 1e3))
-
-
-def _poll(event: cuda.Event, until: float) -> bool:
-    """Poll ``event`` until it completes (True) or ``time.monotonic()`` passes ``until`` (False)."""
-    query, clock = event.query, time.monotonic
-    while not query():
-        if clock() > until:
-            return False
-        os.sched_yield()  # lets go of the GIL and the core for any thread that is ready
-    return True
+        self.stages["answer"].add(max(0.0, (time.monotonic() - launched) * 1e6 - (h2d + compute + d2h) * 1e3))
 
 
 def _median_ms(slot: StreamSlot, rows: int) -> float:
