@@ -47,7 +47,7 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
         lone = lone_engine(cfg, name)
         batcher: Batcher[Work] = Batcher(mc.max_batch, mc.max_queue_delay_us, mc.preferred_batch_sizes,
                                          mc.max_queue_size, idle_below(mc, engine))
-        runner = make_runner(view, engine, batcher, mc.streams, mc.instances, lone)
+        runner = make_runner(view, engine, batcher, mc.streams, mc.instances, lone, mc.serial_compute)
         if mc.warmup:
             prime(runner)
         served[model_id] = ServedModel(view, engine, runner)
@@ -56,11 +56,12 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
 
 
 def make_runner(model: ModelView, engine: Engine, batcher: Batcher[Work], streams: int,
-                instances: int = 1, lone: Engine | None = None) -> BatchRunner:
+                instances: int = 1, lone: Engine | None = None, serial_compute: bool = False) -> BatchRunner:
     """The GPU pipeline (``streams`` stream slots) for a device engine, else the host runner (``instances``,
     ``lone`` for a batch that runs alone)."""
     if is_device_engine(engine):
-        return PipelineRunner(model, cast("DeviceEngine", engine), batcher, ModelCounters(), streams)
+        return PipelineRunner(model, cast("DeviceEngine", engine), batcher, ModelCounters(), streams,
+                              serial_compute=serial_compute)
     return ModelRunner(model, engine, batcher, ModelCounters(), instances, lone)
 
 

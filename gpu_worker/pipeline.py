@@ -50,7 +50,7 @@ class PipelineRunner(BatchRunner):
     completed; its requests are answered exactly once, by the completion thread or by ``_abandon``."""
 
     def __init__(self, model: ModelView, engine: DeviceEngine, batcher: Batcher[Work], counters: ModelCounters,
-                 streams: int, batched_copies: bool = BATCHED_COPIES) -> None:
+                 streams: int, batched_copies: bool = BATCHED_COPIES, serial_compute: bool = False) -> None:
         super().__init__(model, engine, batcher, counters)
         self.device_engine = engine
         self.device = engine.device
@@ -61,6 +61,8 @@ class PipelineRunner(BatchRunner):
         self._launched: queue.SimpleQueue[StreamSlot | None] = queue.SimpleQueue()
         self._completer = threading.Thread(target=self._complete_loop, name=f"complete-{model.name}", daemon=True)
         self._launching = threading.Lock()  # one launch at a time: the runner thread's or the intake's
+        self.serial_compute = serial_compute
+        self._last_computed: cuda.Event | None = None  # the last launched batch's, with serial_compute
         self._on_device = threading.local()  # threads that made this runner's device current
         self.slots: list[StreamSlot] = []
         try:
@@ -194,8 +196,11 @@ class PipelineRunner(BatchRunner):
         dsts, srcs, sizes, rows = self.copies.inputs(works, ctx.input_ptrs)
         self.copies.issue(dsts, srcs, sizes, "h2d", stream)  # (3)
         slot.copied_in.record(stream)
+        if self.serial_compute and self._last_computed is not None:
+            slot.stream.wait(self._last_computed)  # the previous batch's compute, as recorded now
         ctx.enqueue(rows)  # (4)
         slot.computed.record(stream)
+        self._last_computed = slot.computed
         dsts, srcs, sizes = self.copies.outputs(works, ctx.output_ptrs)
         self.copies.issue(dsts, srcs, sizes, "d2h", stream)  # (5)
         slot.end.record(stream)  # (6)

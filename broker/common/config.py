@@ -85,6 +85,9 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # GPU engines (torch, inductor, tensorrt) only; a CPU worker ignores them; fp16: torch only (a package or
     # plan carries its own precision)
     streams: Annotated[int, Meta(ge=1, le=16)] = 4  # stream slots: batches in flight on the device at once
+    # a batch's compute waits for the previous batch's (copies still overlap): each batch computes alone, at its
+    # one-stream time, instead of sharing the device with the batches launched before it
+    serial_compute: bool = False
     fp16: bool = False
     cuda_graphs: bool = True
 
