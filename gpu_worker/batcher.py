@@ -2,7 +2,8 @@
 
 Invariant: a request is in the queue, or in exactly one batch, or answered expired; never two of these.
 A batch forms at once when ``max_batch`` items wait or a preferred size is reached, or (idle dispatch) while
-fewer than ``idle_below`` of its batches run; else when the oldest request has waited ``max_queue_delay_us``.
+fewer than ``idle_below`` of its batches run; else when the oldest request has waited ``max_queue_delay_us``
+and the runner's ``hold`` (how long the device stays busy without this batch) has passed.
 Requests past their deadline are never put in a batch. Every batch handed out is reported ``done`` once.
 """
 
@@ -62,6 +63,12 @@ class Batcher(Generic[E]):
         self.max_batch = max_batch
         self.idle_below = idle_below
         self._running = 0
+        self.hold_until = 0.0  # time.monotonic(): a batch that is not full need not leave before this (``hold``)
+        # the batch sizes the engine runs without padding (empty: every size); while a batch of this batcher runs,
+        # one that is not full takes the largest of these that its rows reach, and the rest wait for the next
+        self.fits: list[int] = []
+        self._waiters = 0  # threads asleep in ``take``
+        self._wake_at = float("inf")  # when the one waiter wakes by itself (meaningful while _waiters == 1)
         self.delay = max_queue_delay_us / 1e6
         self.preferred = sorted(set(preferred))
         self.max_queue_size = max_queue_size
@@ -84,7 +91,7 @@ class Batcher(Generic[E]):
             self._q.append(entry)
             self._items += entry.rows
             if wake:
-                self._cond.notify()
+                self._wake(entry.deadline)
         return True
 
     def put_many(self, entries: list[E], wake: bool = True) -> int:
@@ -95,7 +102,7 @@ class Batcher(Generic[E]):
             self._q.extend(taken)
             self._items += sum(e.rows for e in taken)
             if wake and taken:
-                self._cond.notify()
+                self._wake(min(e.deadline for e in taken))
         return len(taken)
 
     def done(self) -> None:
@@ -113,10 +120,26 @@ class Batcher(Generic[E]):
         return self._running
 
     def kick(self) -> None:
-        """Wake the runner if anything is queued."""
+        """Wake the runner if a batch is due before it would wake by itself."""
         with self._cond:
-            if self._q:
-                self._cond.notify()
+            self._wake(float("inf"))
+
+    def hold(self, until: float) -> None:
+        """A batch that is not full may wait until ``until`` (time.monotonic()) to grow, even after the delay: the
+        device runs other batches till then. The runner moves it as batches launch and end; 0 holds nothing."""
+        with self._cond:
+            earlier = until < self.hold_until
+            self.hold_until = until
+            if earlier:
+                self._wake(float("inf"))
+
+    def _wake(self, deadline: float) -> None:
+        """Notify a waiting runner if the queue (with a new entry's ``deadline``) is due before it plans to wake;
+        with several waiters (host instances), always."""
+        if not self._waiters or not self._q:
+            return
+        if self._waiters > 1 or min(self._due_at(time.monotonic()), deadline) < self._wake_at:
+            self._cond.notify()
 
     def expire(self, now: float) -> list[E]:
         """Remove and return every request whose deadline has passed."""
@@ -171,8 +194,17 @@ class Batcher(Generic[E]):
                     if now >= end:
                         return None
                     wait = min(wait, end - now)
-                self._cond.wait(None if wait == float("inf") else wait)
+                self._sleep(now, wait)
         return None
+
+    def _sleep(self, now: float, wait: float) -> None:
+        """Wait on the condition for ``wait`` seconds at most (inf: until notified), recording when."""
+        self._waiters += 1
+        self._wake_at = now + wait
+        try:
+            self._cond.wait(None if wait == float("inf") else wait)
+        finally:
+            self._waiters -= 1
 
     # -- policy ---------------------------------------------------------------------------------------
     def _due_in(self, now: float) -> float:
@@ -183,11 +215,20 @@ class Batcher(Generic[E]):
             return 0.0
         if self._items >= self.max_batch or (self.preferred and self._items >= self.preferred[0]):
             return 0.0
-        wait_until = self._q[0].enqueued + self.delay
+        wait_until = max(self._q[0].enqueued + self.delay, self.hold_until)
         if wait_until <= now:  # the common case of a zero delay: no need to look for the soonest deadline
             return 0.0
         soonest_deadline = min(e.deadline for e in self._q)
         return max(0.0, min(wait_until, soonest_deadline) - now)
+
+    def _due_at(self, now: float) -> float:
+        """When a batch is due, as ``_due_in`` says, without the queue's deadlines (the waiter knows those)."""
+        if not self._q:
+            return float("inf")
+        if self._running < self.idle_below or self._items >= self.max_batch or (
+                self.preferred and self._items >= self.preferred[0]):
+            return now
+        return max(self._q[0].enqueued + self.delay, self.hold_until)
 
     def _target(self) -> int:
         """How many items the next batch takes: the largest preferred size that is reached, or all."""
@@ -198,6 +239,8 @@ class Batcher(Generic[E]):
 
     def _pop_batch(self) -> list[E]:
         target = self._target()
+        if self.fits and self._running and self._items < target:
+            target = max((f for f in self.fits if f <= self._items), default=target)
         batch: list[E] = []
         rows = 0
         while self._q and rows + self._q[0].rows <= target:

@@ -13,7 +13,7 @@ from shmbroker.gpu_worker import cuda, model_source
 from shmbroker.gpu_worker.batcher import Batcher
 from shmbroker.gpu_worker.engines import DeviceEngine, Engine, IOSpec, is_device_engine, load_engine
 from shmbroker.gpu_worker.intake import ModelView
-from shmbroker.gpu_worker.pipeline import PipelineRunner
+from shmbroker.gpu_worker.pipeline import GpuPolicy, PipelineRunner
 from shmbroker.gpu_worker.runner import BatchRunner, ModelRunner
 from shmbroker.gpu_worker.warmup import prime
 from shmbroker.gpu_worker.work import ModelCounters, Work
@@ -47,7 +47,8 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
         lone = lone_engine(cfg, name)
         batcher: Batcher[Work] = Batcher(mc.max_batch, mc.max_queue_delay_us, mc.preferred_batch_sizes,
                                          mc.max_queue_size, idle_below(mc, engine))
-        runner = make_runner(view, engine, batcher, mc.streams, mc.instances, lone, mc.serial_compute)
+        runner = make_runner(view, engine, batcher, mc.streams, mc.instances, lone,
+                             GpuPolicy(mc.serial_compute, mc.fill_while_busy, mc.trim_to_sizes))
         if mc.warmup:
             prime(runner)
         served[model_id] = ServedModel(view, engine, runner)
@@ -56,12 +57,12 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
 
 
 def make_runner(model: ModelView, engine: Engine, batcher: Batcher[Work], streams: int,
-                instances: int = 1, lone: Engine | None = None, serial_compute: bool = False) -> BatchRunner:
-    """The GPU pipeline (``streams`` stream slots) for a device engine, else the host runner (``instances``,
-    ``lone`` for a batch that runs alone)."""
+                instances: int = 1, lone: Engine | None = None, policy: GpuPolicy | None = None) -> BatchRunner:
+    """The GPU pipeline (``streams`` stream slots, ``policy``) for a device engine, else the host runner
+    (``instances``, ``lone`` for a batch that runs alone)."""
     if is_device_engine(engine):
         return PipelineRunner(model, cast("DeviceEngine", engine), batcher, ModelCounters(), streams,
-                              serial_compute=serial_compute)
+                              policy=policy or GpuPolicy())
     return ModelRunner(model, engine, batcher, ModelCounters(), instances, lone)
 
 

@@ -1,8 +1,10 @@
 """The GPU runner: one model's batches go through a pool of stream slots, several in flight at once.
 
 Runner thread, per batch: (1) take a free stream slot, then a batch (while every slot is busy, requests
-keep queueing, so batches grow with the load); while the device is idle the intake thread launches a due
-batch itself (``try_inline``), so a lone request waits for no thread's wake-up; (2) answer the expired;
+keep queueing, so batches grow with the load; while the device computes, a batch that is not full waits
+until the device is about to need it, ``LaunchPlan``, and takes a size the engine runs without padding);
+while the device is idle the intake thread launches a due batch itself (``try_inline``), so a lone request
+waits for no thread's wake-up; (2) answer the expired;
 (3) gather: async H2D of each request from its registered ring slot straight into its rows of the slot's
 device input buffer; (4) enqueue the engine on the slot's stream; (5) async D2H of each request's rows
 straight into its own ring slot; (6) record the end event and hand the slot to the completion thread.
@@ -21,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
 from shmbroker.broker.common import proc
 from shmbroker.broker.common import protocol as P
@@ -29,6 +32,7 @@ from shmbroker.gpu_worker.batcher import Batcher, Take
 from shmbroker.gpu_worker.engines.base import DeviceEngine
 from shmbroker.gpu_worker.histogram import Histogram
 from shmbroker.gpu_worker.intake import ModelView
+from shmbroker.gpu_worker.launchplan import LaunchPlan
 from shmbroker.gpu_worker.runner import BatchRunner
 from shmbroker.gpu_worker.streams import CopyPlan, StreamSlot, probe_batched_copies
 from shmbroker.gpu_worker.work import ModelCounters, Work, complete_ok
@@ -45,12 +49,24 @@ BATCHED_COPIES = False  # until warm_up has measured which way of issuing copies
 SPIN_END_MAX_MS = 2.0
 
 
+@dataclass(frozen=True)
+class GpuPolicy:
+    """How batches share the device: the config's ``serial_compute``, ``fill_while_busy``, ``trim_to_sizes``."""
+
+    serial_compute: bool = False
+    fill_while_busy: bool = True
+    trim_to_sizes: bool = True
+
+
+DEFAULT_POLICY = GpuPolicy()
+
+
 class PipelineRunner(BatchRunner):
     """A device engine's runner. Invariant: a stream slot is free, launched (in ``_launched``) or being
     completed; its requests are answered exactly once, by the completion thread or by ``_abandon``."""
 
     def __init__(self, model: ModelView, engine: DeviceEngine, batcher: Batcher[Work], counters: ModelCounters,
-                 streams: int, batched_copies: bool = BATCHED_COPIES, serial_compute: bool = False) -> None:
+                 streams: int, batched_copies: bool = BATCHED_COPIES, policy: GpuPolicy = DEFAULT_POLICY) -> None:
         super().__init__(model, engine, batcher, counters)
         self.device_engine = engine
         self.device = engine.device
@@ -61,7 +77,10 @@ class PipelineRunner(BatchRunner):
         self._launched: queue.SimpleQueue[StreamSlot | None] = queue.SimpleQueue()
         self._completer = threading.Thread(target=self._complete_loop, name=f"complete-{model.name}", daemon=True)
         self._launching = threading.Lock()  # one launch at a time: the runner thread's or the intake's
-        self.serial_compute = serial_compute
+        self.serial_compute = policy.serial_compute
+        # while the device is busy, a batch that is not full grows until the device is about to need it
+        self.plan = LaunchPlan(model.max_batch, self._expected_s) if policy.fill_while_busy else None
+        self.trim_to_sizes = policy.trim_to_sizes  # see Batcher.fits
         self._last_computed: cuda.Event | None = None  # the last launched batch's, with serial_compute
         self._on_device = threading.local()  # threads that made this runner's device current
         self.slots: list[StreamSlot] = []
@@ -149,6 +168,9 @@ class PipelineRunner(BatchRunner):
         self.one_row_ms = _median_ms(slot, 1)
         self.max_batch_ms = _median_ms(slot, self.model.max_batch)
         self.copy_probe = probe_batched_copies(slot, self.model.inputs[0].item_bytes, self.model.max_batch)
+        sizes = getattr(slot.ctx, "sizes", None)
+        if self.trim_to_sizes and sizes:
+            self.batcher.fits = sorted(sizes)
         self.copies.batched = bool(self.copy_probe["batched"])
         log.info("model %s: %d stream slots warm; one row computes in %.3f ms, a batch of %d rows in %.3f ms; "
                  "copies of a batch issued %s (%s)", self.model.name, len(self.slots), self.one_row_ms,
@@ -179,6 +201,7 @@ class PipelineRunner(BatchRunner):
         now = time.monotonic()
         self.stages["queue"].add_all([(now - e.enqueued) * 1e6 for e in take.batch])
         works = take.batch
+        slot.expected_s = 0.0  # not in the plan until its issue ends
         try:
             slot.rows = self._enqueue(slot, works)  # (3)-(6)
         except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
@@ -186,6 +209,11 @@ class PipelineRunner(BatchRunner):
             return
         slot.works = works
         slot.launched = now
+        issued = time.monotonic()
+        slot.issue_s = issued - now
+        if self.plan is not None:
+            slot.expected_s, hold = self.plan.launched(issued, slot.rows)
+            self.batcher.hold(hold)
         self.counters.batch(slot.rows)
         self._launched.put(slot)
 
@@ -220,9 +248,13 @@ class PipelineRunner(BatchRunner):
         self.fail(works, exc)
         self._finished(slot)
 
-    def _finished(self, slot: StreamSlot) -> None:
-        """A slot's batch has ended on the device (its answers may still be going out): the slot is free, and
-        the batcher knows one batch fewer runs."""
+    def _finished(self, slot: StreamSlot, h2d_ms: float | None = None) -> None:
+        """A slot's batch has ended on the device (its answers may still be going out): the plan and the batcher
+        know one batch fewer runs, and the slot is free. ``h2d_ms``: its H2D time, if it ran."""
+        if self.plan is not None:
+            lead = None if h2d_ms is None else slot.issue_s + h2d_ms / 1e3
+            self.batcher.hold(self.plan.ended(time.monotonic(), slot.expected_s, lead, slot.rows,
+                                              self.batcher.running - 1))
         self.batcher.done()
         self._free.put(slot)
 
@@ -242,7 +274,8 @@ class PipelineRunner(BatchRunner):
                 self._finished(slot)
                 continue
             stages, launched = self._stage_ms(slot), slot.launched  # read before the slot is reused
-            self._finished(slot)  # the device is done with it: the next batch may launch while DONEs go out
+            # the device is done with it: the next batch may launch while DONEs go out
+            self._finished(slot, None if stages is None else stages[0])
             complete_ok(self.codec, self.counters, works)  # answers first, statistics after
             self._record_stages(stages, launched)  # reads the clock for "answer": right after the DONEs
 
@@ -257,6 +290,10 @@ class PipelineRunner(BatchRunner):
             return False
         expected = self.expected_ms(rows)
         return expected is not None and expected <= SPIN_END_MAX_MS
+
+    def _expected_s(self, rows: int) -> float | None:
+        ms = self.expected_ms(rows)
+        return None if ms is None else ms / 1e3
 
     def expected_ms(self, rows: int) -> float | None:
         """A batch's device time for ``rows`` rows, interpolated between warm-up's one-row and max-batch times."""

@@ -44,6 +44,8 @@ class StreamSlot:
         self.works: list[Work] = []
         self.rows = 0
         self.launched = 0.0  # time.monotonic() of the last launch
+        self.issue_s = 0.0  # how long the host took to issue it
+        self.expected_s = 0.0  # its expected device time (``LaunchPlan.launched``)
 
     @property
     def ctx(self) -> DeviceContext:

@@ -445,3 +445,80 @@ def test_without_idle_dispatch_a_lone_request_waits_for_the_delay() -> None:
     b = _batcher(max_batch=4)  # idle_below=0: Triton's rule
     assert b.put(_entry("lone"))
     assert b.take_now() is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hold: while the device is busy, a batch that is not full grows until the device needs it
+# ---------------------------------------------------------------------------------------------------------
+def test_a_hold_keeps_a_busy_batch_growing_past_the_delay() -> None:
+    b: Batcher[Queued[str]] = Batcher(4, 0, [], 100, idle_below=1)  # no delay at all
+    b.put(_entry("running"))
+    assert b.take_now() is not None  # the device now runs a batch
+    b.hold(time.monotonic() + LONG)  # ... that keeps it busy for a minute
+    b.put(_entry("a"))
+    assert b.take_now() is None  # the delay has passed, the hold has not
+    for name in ("b", "c", "d"):
+        b.put(_entry(name))
+    full = b.take_now()  # a full batch leaves whatever the hold
+    assert full is not None and _names(full.batch) == ["a", "b", "c", "d"]
+
+
+def test_a_hold_in_the_past_leaves_the_delay_rule() -> None:
+    b: Batcher[Queued[str]] = Batcher(4, 0, [], 100, idle_below=1)
+    b.put(_entry("running"))
+    assert b.take_now() is not None
+    b.hold(time.monotonic() - 1.0)
+    b.put(_entry("a"))
+    take = b.take_now()
+    assert take is not None and _names(take.batch) == ["a"]
+
+
+def test_a_hold_does_not_apply_while_the_device_is_idle() -> None:
+    b: Batcher[Queued[str]] = Batcher(4, 0, [], 100, idle_below=1)
+    b.hold(time.monotonic() + LONG)
+    b.put(_entry("lone"))
+    take = b.take_now()  # nothing runs: idle dispatch
+    assert take is not None and _names(take.batch) == ["lone"]
+
+
+def test_moving_a_hold_earlier_wakes_the_waiting_taker() -> None:
+    b: Batcher[Queued[str]] = Batcher(4, 0, [], 100, idle_below=1)
+    b.put(_entry("running"))
+    assert b.take_now() is not None
+    b.hold(time.monotonic() + LONG)
+    b.put(_entry("a"))
+    t, out = _take_in_thread(b, LONG)
+    _wait_until_sleeping(b)
+    t.join(0.2)
+    assert t.is_alive()  # held for a minute
+    b.hold(0.0)  # the device ends sooner than planned
+    t.join(LONG)
+    assert out and out[0] is not None and _names(out[0].batch) == ["a"]
+
+
+def test_a_new_entry_with_the_soonest_deadline_wakes_the_taker() -> None:
+    b = _batcher(max_batch=4)  # a minute's delay
+    b.put(_entry("a"))
+    t, out = _take_in_thread(b, LONG)
+    _wait_until_sleeping(b)
+    b.put(_entry("b"))  # due no sooner
+    t.join(0.2)
+    assert t.is_alive()
+    b.put(_entry("c", deadline_in=0.05))  # its deadline comes before the delay: the taker must see it expire
+    t.join(20.0)  # well before the minute's delay
+    assert not t.is_alive()
+    assert out and out[0] is not None and _names(out[0].expired) == ["c"] and out[0].batch == []
+
+
+def test_while_a_batch_runs_one_that_is_not_full_takes_the_largest_size_that_needs_no_padding() -> None:
+    b: Batcher[Queued[str]] = Batcher(8, 0, [], 100, idle_below=1)
+    b.fits = [1, 2, 4, 8]
+    for name in "abcdef":
+        b.put(_entry(name))
+    idle = b.take_now()  # nothing runs: all six leave at once, padded to 8 by the engine
+    assert idle is not None and _names(idle.batch) == list("abcdef")
+    for name in "ghijkl":
+        b.put(_entry(name))
+    busy = b.take_now()  # one batch runs: four leave, two wait for the next batch
+    assert busy is not None and _names(busy.batch) == list("ghij")
+    assert len(b) == 2

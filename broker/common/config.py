@@ -88,6 +88,12 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # a batch's compute waits for the previous batch's (copies still overlap): each batch computes alone, at its
     # one-stream time, instead of sharing the device with the batches launched before it
     serial_compute: bool = False
+    # while the device computes other batches, a batch that is not full keeps growing until the device is about
+    # to need it, not just for max_queue_delay_us (bench/RESULTS.md#filling-batches-while-the-device-is-busy)
+    fill_while_busy: bool = True
+    # while another batch runs, a batch takes the largest batch size the engine prepared (a CUDA graph's) that its
+    # rows reach and leaves the rest for the next, instead of padding to the next size
+    trim_to_sizes: bool = True
     fp16: bool = False
     cuda_graphs: bool = True
 
