@@ -51,6 +51,15 @@ class Take(Generic[E]):
     expired: list[E]
 
 
+@dataclass(slots=True)
+class More(Generic[E]):
+    """What ``take_more`` hands a batch that is still filling; ``close``: launch it now."""
+
+    batch: list[E]
+    expired: list[E]
+    close: bool
+
+
 class Batcher(Generic[E]):
     """Thread-safe: ``put`` and ``expire`` from the intake thread, ``take`` from the model's runner."""
 
@@ -67,7 +76,10 @@ class Batcher(Generic[E]):
         # the batch sizes the engine runs without padding (empty: every size); while a batch of this batcher runs,
         # one that is not full takes the largest of these that its rows reach, and the rest wait for the next
         self.fits: list[int] = []
-        self._waiters = 0  # threads asleep in ``take``
+        self._waiters = 0  # threads asleep in ``take`` or ``take_more``
+        self._filling = 0  # while the runner waits in ``take_more``: the rows that wake it
+        # a batch filling on the device (``take_more``) opens by the delay alone; the hold says when it closes
+        self.early = False
         self._wake_at = float("inf")  # when the one waiter wakes by itself (meaningful while _waiters == 1)
         self.delay = max_queue_delay_us / 1e6
         self.preferred = sorted(set(preferred))
@@ -111,7 +123,9 @@ class Batcher(Generic[E]):
         and a cheap model's runner thread stays asleep while the intake runs its batches inline."""
         with self._cond:
             self._running -= 1
-            if self._q and self.delay > 0 and self._running == self.idle_below - 1:
+            # a filling batch left alone (the device is about to idle), or an executor free for a due batch
+            alone = self._filling and self._running <= 1
+            if alone or (self._q and self.delay > 0 and self._running == self.idle_below - 1):
                 self._cond.notify()
 
     @property
@@ -130,15 +144,18 @@ class Batcher(Generic[E]):
         with self._cond:
             earlier = until < self.hold_until
             self.hold_until = until
-            if earlier:
-                self._wake(float("inf"))
+            if earlier and self._waiters:
+                self._cond.notify()
 
     def _wake(self, deadline: float) -> None:
         """Notify a waiting runner if the queue (with a new entry's ``deadline``) is due before it plans to wake;
         with several waiters (host instances), always."""
         if not self._waiters or not self._q:
             return
-        if self._waiters > 1 or min(self._due_at(time.monotonic()), deadline) < self._wake_at:
+        if self._filling:
+            if self._items >= self._filling or deadline < self._wake_at:
+                self._cond.notify()
+        elif self._waiters > 1 or min(self._due_at(time.monotonic()), deadline) < self._wake_at:
             self._cond.notify()
 
     def expire(self, now: float) -> list[E]:
@@ -197,6 +214,37 @@ class Batcher(Generic[E]):
                 self._sleep(now, wait)
         return None
 
+    def take_more(self, room: int, chunk: int, timeout: float) -> More[E]:
+        """More rows for a batch handed out and still filling, whose rows are copied as they come: up to
+        ``room`` rows, once ``min(chunk, room)`` wait; ``close`` once it should launch (``hold_until`` passed,
+        no other batch runs, or closed). Returns at the latest after ``timeout`` seconds (``close`` False)."""
+        end = time.monotonic() + timeout
+        need = max(1, min(chunk, room))
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                expired = self._drop_expired(now)
+                close = self._closed or self._running <= 1 or now >= self.hold_until
+                if close or expired or self._items >= need or now >= end:
+                    return More([] if self._closed else self._pop_rows(room), expired, close)
+                soonest = min((e.deadline for e in self._q), default=end)
+                self._filling = need
+                try:
+                    self._sleep(now, max(0.0, min(self.hold_until, soonest, end) - now))
+                finally:
+                    self._filling = 0
+
+    def _pop_rows(self, room: int) -> list[E]:
+        """Queued requests in order while they fit ``room`` rows (a batch already running: ``running`` stays)."""
+        out: list[E] = []
+        rows = 0
+        while self._q and rows + self._q[0].rows <= room:
+            e = self._q.popleft()
+            rows += e.rows
+            out.append(e)
+        self._items -= rows
+        return out
+
     def _sleep(self, now: float, wait: float) -> None:
         """Wait on the condition for ``wait`` seconds at most (inf: until notified), recording when."""
         self._waiters += 1
@@ -215,7 +263,9 @@ class Batcher(Generic[E]):
             return 0.0
         if self._items >= self.max_batch or (self.preferred and self._items >= self.preferred[0]):
             return 0.0
-        wait_until = max(self._q[0].enqueued + self.delay, self.hold_until)
+        wait_until = self._q[0].enqueued + self.delay
+        if not self.early:
+            wait_until = max(wait_until, self.hold_until)
         if wait_until <= now:  # the common case of a zero delay: no need to look for the soonest deadline
             return 0.0
         soonest_deadline = min(e.deadline for e in self._q)
@@ -228,7 +278,8 @@ class Batcher(Generic[E]):
         if self._running < self.idle_below or self._items >= self.max_batch or (
                 self.preferred and self._items >= self.preferred[0]):
             return now
-        return max(self._q[0].enqueued + self.delay, self.hold_until)
+        opens = self._q[0].enqueued + self.delay
+        return opens if self.early else max(opens, self.hold_until)
 
     def _target(self) -> int:
         """How many items the next batch takes: the largest preferred size that is reached, or all."""

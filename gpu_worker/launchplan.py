@@ -25,15 +25,24 @@ class LaunchPlan:
     """
 
     def __init__(self, max_batch: int, expected_s: Callable[[int], float | None],
-                 margin_s: float = HOLD_MARGIN_S) -> None:
-        """``expected_s(rows)``: the device time of a batch of ``rows`` rows (None until warm-up measured it)."""
+                 margin_s: float = HOLD_MARGIN_S, lead_rows: int = 0) -> None:
+        """``expected_s(rows)``: the device time of a batch of ``rows`` rows (None until warm-up measured it);
+        ``lead_rows``: the rows whose issue and H2D the lead covers (0: ``max_batch``; fewer where a batch's
+        rows are copied as they come, so only its last ones are left at its launch)."""
         self.max_batch = max_batch
+        self.lead_rows = lead_rows or max_batch
         self.expected_s = expected_s
         self.margin_s = margin_s
         self._lock = threading.Lock()
         self._busy_until = 0.0  # time.monotonic() at which the device is expected to end the launched batches
         self._pending_s = 0.0  # the expected device time of the batches launched and not yet ended
         self.lead_per_row_s: float | None = None  # issue plus H2D, per row, a moving average
+
+    def prime(self, lead_per_row_s: float) -> None:
+        """The lead per row measured at warm-up, until batches measure their own."""
+        with self._lock:
+            if self.lead_per_row_s is None:
+                self.lead_per_row_s = lead_per_row_s
 
     def launched(self, now: float, rows: int) -> tuple[float, float]:
         """A batch of ``rows`` rows was issued (``now``: when its issue ended). Returns (its expected device
@@ -65,5 +74,5 @@ class LaunchPlan:
     def _hold(self) -> float:
         if self.lead_per_row_s is None or self._busy_until == 0.0:
             return 0.0
-        lead = self.lead_per_row_s * self.max_batch
+        lead = self.lead_per_row_s * self.lead_rows
         return self._busy_until - lead - self.margin_s

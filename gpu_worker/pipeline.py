@@ -2,7 +2,8 @@
 
 Runner thread, per batch: (1) take a free stream slot, then a batch (while every slot is busy, requests
 keep queueing, so batches grow with the load; while the device computes, a batch that is not full waits
-until the device is about to need it, ``LaunchPlan``, and takes a size the engine runs without padding);
+until the device is about to need it, ``LaunchPlan``, and takes a size the engine runs without padding; with
+early copies it opens at once and fills on the device, ``_fill``);
 while the device is idle the intake thread launches a due batch itself (``try_inline``), so a lone request
 waits for no thread's wake-up; (2) answer the expired;
 (3) gather: async H2D of each request from its registered ring slot straight into its rows of the slot's
@@ -34,7 +35,7 @@ from shmbroker.gpu_worker.histogram import Histogram
 from shmbroker.gpu_worker.intake import ModelView
 from shmbroker.gpu_worker.launchplan import LaunchPlan
 from shmbroker.gpu_worker.runner import BatchRunner
-from shmbroker.gpu_worker.streams import CopyPlan, StreamSlot, probe_batched_copies
+from shmbroker.gpu_worker.streams import CopyPlan, StreamSlot, issue, probe_batched_copies
 from shmbroker.gpu_worker.work import ModelCounters, Work, complete_ok
 
 log = logging.getLogger(__name__)
@@ -47,15 +48,20 @@ BATCHED_COPIES = False  # until warm_up has measured which way of issuing copies
 # A lone batch expected to take at most this long is waited for spinning: the driver's blocking wait wakes the
 # completion thread 100-200 us after the device ends (bench/RESULTS.md#a-lone-request-on-the-h200).
 SPIN_END_MAX_MS = 2.0
+# with early copies, a filling batch's rows go to the device in chunks of this many (a runner wake-up each),
+# and the plan's lead covers one chunk's issue and H2D
+EARLY_CHUNK = 32
 
 
 @dataclass(frozen=True)
 class GpuPolicy:
-    """How batches share the device: the config's ``serial_compute``, ``fill_while_busy``, ``trim_to_sizes``."""
+    """How batches share the device: the config's ``serial_compute``, ``fill_while_busy``, ``trim_to_sizes``,
+    ``early_copies``."""
 
     serial_compute: bool = False
     fill_while_busy: bool = True
     trim_to_sizes: bool = True
+    early_copies: bool = False
 
 
 DEFAULT_POLICY = GpuPolicy()
@@ -79,7 +85,11 @@ class PipelineRunner(BatchRunner):
         self._launching = threading.Lock()  # one launch at a time: the runner thread's or the intake's
         self.serial_compute = policy.serial_compute
         # while the device is busy, a batch that is not full grows until the device is about to need it
-        self.plan = LaunchPlan(model.max_batch, self._expected_s) if policy.fill_while_busy else None
+        # with early copies, a batch opened while the device computes is copied in as its requests come (_fill)
+        self.early = policy.fill_while_busy and policy.early_copies
+        batcher.early = self.early
+        self.plan = (LaunchPlan(model.max_batch, self._expected_s, lead_rows=EARLY_CHUNK if self.early else 0)
+                     if policy.fill_while_busy else None)
         self.trim_to_sizes = policy.trim_to_sizes  # see Batcher.fits
         self._last_computed: cuda.Event | None = None  # the last launched batch's, with serial_compute
         self._on_device = threading.local()  # threads that made this runner's device current
@@ -172,6 +182,8 @@ class PipelineRunner(BatchRunner):
         if self.trim_to_sizes and sizes:
             self.batcher.fits = sorted(sizes)
         self.copies.batched = bool(self.copy_probe["batched"])
+        if self.plan is not None:
+            self.plan.prime(_lead_per_row_s(slot, self.model, self.copies.batched))
         log.info("model %s: %d stream slots warm; one row computes in %.3f ms, a batch of %d rows in %.3f ms; "
                  "copies of a batch issued %s (%s)", self.model.name, len(self.slots), self.one_row_ms,
                  self.model.max_batch, self.max_batch_ms,
@@ -190,8 +202,47 @@ class PipelineRunner(BatchRunner):
             if take is None:
                 self._free.put(slot)
                 continue
+            if self.early and self.batcher.running > 1:
+                self._fill(slot, take)
+                continue
             with self._launching:
                 self._launch(slot, take)
+
+    def _fill(self, slot: StreamSlot, take: Take[Work]) -> None:
+        """(1b) A batch opened while the device computes: its rows go to the device as they come, in chunks,
+        and it launches once the plan says the device will need it, once full, or once no other batch runs."""
+        self.answer_timed_out(take)  # (2)
+        if not take.batch:
+            self._free.put(slot)
+            return
+        opened = time.monotonic()
+        slot.expected_s = 0.0
+        works: list[Work] = []
+        rows, batch, close = 0, take.batch, False
+        try:
+            with self._launching:
+                slot.start.record(slot.stream.handle)
+            while True:
+                if batch:
+                    now = time.monotonic()
+                    self.stages["queue"].add_all([(now - e.enqueued) * 1e6 for e in batch])
+                    works += batch
+                    with self._launching:
+                        rows = self._copy_in(slot, batch, rows)  # (3), a chunk
+                if close or rows >= self.model.max_batch or self._stop.is_set():
+                    break
+                more = self.batcher.take_more(self.model.max_batch - rows, EARLY_CHUNK, POLL_S)
+                self.answer_expired(more.expired, P.Status.TIMEOUT,
+                                    f"deadline passed before model {self.model.name!r} could run it")
+                batch, close = more.batch, more.close
+            with self._launching:
+                issuing = time.monotonic()
+                self._compute_out(slot, works, rows)  # (4)-(6)
+        except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
+            self._abandon(slot, works, exc)
+            return
+        slot.filled = True
+        self._launched_batch(slot, works, rows, opened, issuing)
 
     def _launch(self, slot: StreamSlot, take: Take[Work]) -> None:
         self.answer_timed_out(take)  # (2)
@@ -203,26 +254,38 @@ class PipelineRunner(BatchRunner):
         works = take.batch
         slot.expected_s = 0.0  # not in the plan until its issue ends
         try:
-            slot.rows = self._enqueue(slot, works)  # (3)-(6)
+            slot.start.record(slot.stream.handle)
+            rows = self._copy_in(slot, works, 0)  # (3)
+            self._compute_out(slot, works, rows)  # (4)-(6)
         except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
             self._abandon(slot, works, exc)
             return
+        slot.filled = False
+        self._launched_batch(slot, works, rows, now, now)
+
+    def _launched_batch(self, slot: StreamSlot, works: list[Work], rows: int, opened: float, issuing: float) -> None:
+        """The batch is queued on the device: into the plan, and to the completion thread."""
         slot.works = works
-        slot.launched = now
+        slot.rows = rows
+        slot.launched = opened
         issued = time.monotonic()
-        slot.issue_s = issued - now
+        slot.issue_s = issued - issuing
         if self.plan is not None:
-            slot.expected_s, hold = self.plan.launched(issued, slot.rows)
+            slot.expected_s, hold = self.plan.launched(issued, rows)
             self.batcher.hold(hold)
-        self.counters.batch(slot.rows)
+        self.counters.batch(rows)
         self._launched.put(slot)
 
-    def _enqueue(self, slot: StreamSlot, works: list[Work]) -> int:
-        """Queue the whole batch on the slot's stream without waiting for the device; returns its rows."""
+    def _copy_in(self, slot: StreamSlot, works: list[Work], row: int) -> int:
+        """Queue the H2D of ``works`` into rows from ``row`` of the slot's input buffers; returns the next row."""
+        dsts, srcs, sizes, end = self.copies.inputs(works, slot.ctx.input_ptrs, row)
+        self.copies.issue(dsts, srcs, sizes, "h2d", slot.stream.handle)
+        return end
+
+    def _compute_out(self, slot: StreamSlot, works: list[Work], rows: int) -> None:
+        """Queue the engine on the batch's ``rows`` rows, the D2H of every request's rows into its own ring slot,
+        and the end event, without waiting for the device."""
         ctx, stream = slot.ctx, slot.stream.handle
-        slot.start.record(stream)
-        dsts, srcs, sizes, rows = self.copies.inputs(works, ctx.input_ptrs)
-        self.copies.issue(dsts, srcs, sizes, "h2d", stream)  # (3)
         slot.copied_in.record(stream)
         if self.serial_compute and self._last_computed is not None:
             slot.stream.wait(self._last_computed)  # the previous batch's compute, as recorded now
@@ -235,7 +298,6 @@ class PipelineRunner(BatchRunner):
         slot.lone = self._lone(rows)
         if slot.lone:
             slot.end_spin.record(stream)
-        return rows
 
     def _abandon(self, slot: StreamSlot, works: list[Work], exc: BaseException) -> None:
         """A launch failed part-way: let what was queued finish (no copy may still target a slot that is
@@ -252,7 +314,8 @@ class PipelineRunner(BatchRunner):
         """A slot's batch has ended on the device (its answers may still be going out): the plan and the batcher
         know one batch fewer runs, and the slot is free. ``h2d_ms``: its H2D time, if it ran."""
         if self.plan is not None:
-            lead = None if h2d_ms is None else slot.issue_s + h2d_ms / 1e3
+            # a filled batch's H2D stage spans its filling: no sample of the lead
+            lead = None if h2d_ms is None or slot.filled else slot.issue_s + h2d_ms / 1e3
             self.batcher.hold(self.plan.ended(time.monotonic(), slot.expected_s, lead, slot.rows,
                                               self.batcher.running - 1))
         self.batcher.done()
@@ -318,6 +381,27 @@ class PipelineRunner(BatchRunner):
         self.stages["compute"].add(compute * 1e3)
         self.stages["d2h"].add(d2h * 1e3)
         self.stages["answer"].add(max(0.0, (time.monotonic() - launched) * 1e6 - (h2d + compute + d2h) * 1e3))
+
+
+def _lead_per_row_s(slot: StreamSlot, model: ModelView, batched: bool) -> float:
+    """Issue plus H2D time per row of ``model.max_batch`` rows of the first input from page-locked memory into
+    the slot's buffer (allocated and freed here, at warm-up), scaled to every input's bytes."""
+    first = model.inputs[0].item_bytes
+    rows = model.max_batch
+    host = cuda.host_alloc_pinned(rows * first)
+    try:
+        stream = slot.stream.handle
+        t0 = time.perf_counter()
+        slot.start.record(stream)
+        issue([slot.ctx.input_ptrs[0] + i * first for i in range(rows)], [host + i * first for i in range(rows)],
+              [first] * rows, "h2d", stream, batched)
+        slot.end.record(stream)
+        issue_s = time.perf_counter() - t0
+        slot.end.synchronize()
+        per_row = (issue_s + cuda.elapsed_ms(slot.start, slot.end) / 1e3) / rows
+    finally:
+        cuda.free_host(host)
+    return per_row * sum(s.item_bytes for s in model.inputs) / first
 
 
 def _median_ms(slot: StreamSlot, rows: int) -> float:

@@ -46,6 +46,7 @@ class StreamSlot:
         self.launched = 0.0  # time.monotonic() of the last launch
         self.issue_s = 0.0  # how long the host took to issue it
         self.expected_s = 0.0  # its expected device time (``LaunchPlan.launched``)
+        self.filled = False  # its rows were copied while it filled (``PipelineRunner._fill``)
 
     @property
     def ctx(self) -> DeviceContext:
@@ -83,11 +84,11 @@ class CopyPlan:
         self.in_items = [s.item_bytes for s in codec.model.inputs]
         self.out_items = [s.item_bytes for s in codec.model.outputs]
 
-    def inputs(self, works: list[Work], ptrs: list[int]) -> tuple[list[int], list[int], list[int], int]:
+    def inputs(self, works: list[Work], ptrs: list[int], row: int = 0) -> tuple[list[int], list[int], list[int], int]:
+        """The H2D copies of ``works`` into rows from ``row`` on, and the row after them."""
         dsts: list[int] = []
         srcs: list[int] = []
         sizes: list[int] = []
-        row = 0
         in_items = self.in_items
         for w in works:
             session = w.session

@@ -522,3 +522,82 @@ def test_while_a_batch_runs_one_that_is_not_full_takes_the_largest_size_that_nee
     busy = b.take_now()  # one batch runs: four leave, two wait for the next batch
     assert busy is not None and _names(busy.batch) == list("ghij")
     assert len(b) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# take_more: a batch that fills on the device, its rows copied as they come
+# ---------------------------------------------------------------------------------------------------------
+def _filling(hold_in: float = LONG) -> Batcher[Queued[str]]:
+    """A batcher whose device runs one batch and holds another (the filling one) for ``hold_in`` seconds."""
+    b: Batcher[Queued[str]] = Batcher(8, 0, [], 100, idle_below=1)
+    b.early = True
+    for name in ("running", "filling"):
+        b.put(_entry(name))
+        assert b.take_now() is not None
+    b.hold(time.monotonic() + hold_in)
+    return b
+
+
+def test_take_more_hands_a_chunk_once_it_waits_and_keeps_the_batch_open() -> None:
+    b = _filling()
+    for name in "abc":
+        b.put(_entry(name))
+    more = b.take_more(room=7, chunk=2, timeout=LONG)
+    assert _names(more.batch) == ["a", "b", "c"] and not more.close
+    assert b.running == 2  # the same batch: nothing more runs
+
+
+def test_take_more_takes_at_most_the_room_left() -> None:
+    b = _filling()
+    for name in "abcd":
+        b.put(_entry(name))
+    more = b.take_more(room=3, chunk=2, timeout=LONG)
+    assert _names(more.batch) == ["a", "b", "c"]
+    assert len(b) == 1
+
+
+def test_a_sleeping_take_more_wakes_for_its_chunk() -> None:
+    b = _filling()
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(b.take_more(7, 2, LONG)), daemon=True)
+    t.start()
+    _wait_until_sleeping(b)
+    b.put(_entry("a"))
+    t.join(0.2)
+    assert t.is_alive()  # one row of a chunk of two
+    b.put(_entry("b"))
+    t.join(20.0)
+    assert not t.is_alive()
+    assert _names(out[0].batch) == ["a", "b"]  # type: ignore[attr-defined]
+
+
+def test_take_more_closes_when_the_other_batch_ends() -> None:
+    b = _filling()
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(b.take_more(7, 4, LONG)), daemon=True)
+    t.start()
+    _wait_until_sleeping(b)
+    b.put(_entry("a"))
+    b.done()  # the running batch ended: the filling one must launch now, with what it has
+    t.join(20.0)
+    assert not t.is_alive()
+    more = out[0]
+    assert more.close and _names(more.batch) == ["a"]  # type: ignore[attr-defined]
+
+
+def test_take_more_closes_at_the_hold() -> None:
+    b = _filling(hold_in=LONG)
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(b.take_more(7, 4, LONG)), daemon=True)
+    t.start()
+    _wait_until_sleeping(b)
+    b.hold(time.monotonic() - 1.0)  # the device will need it now
+    t.join(20.0)
+    assert not t.is_alive() and out[0].close  # type: ignore[attr-defined]
+
+
+def test_early_opening_ignores_the_hold() -> None:
+    b = _filling()
+    b.put(_entry("a"))
+    opened = b.take_now()  # zero delay: a batch opens to copy its rows early, whatever the hold
+    assert opened is not None and _names(opened.batch) == ["a"]

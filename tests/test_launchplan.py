@@ -59,3 +59,13 @@ def test_a_failed_batch_gives_no_lead_sample() -> None:
     e, _ = plan.launched(1.0, 100)
     plan.ended(1.1, e, None, 100, running=0)
     assert plan.lead_per_row_s == pytest.approx(0.1 * MS)
+
+
+def test_a_primed_lead_holds_before_any_batch_ended_and_lead_rows_scale_it() -> None:
+    plan = LaunchPlan(100, lambda rows: rows * MS, margin_s=0.0, lead_rows=10)
+    plan.prime(1 * MS)  # 1 ms a row: the lead of 10 rows is 10 ms
+    _, hold = plan.launched(0.0, 100)
+    assert hold == pytest.approx(0.1 - 0.01)
+    plan.prime(5 * MS)  # a measured lead is not replaced
+    _, hold = plan.launched(0.0, 100)
+    assert hold == pytest.approx(0.2 - 0.01)

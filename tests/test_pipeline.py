@@ -1,6 +1,7 @@
 """gpu_worker.pipeline on a device in host memory (tests/hostdevice.py): every request is answered once with its
-own result, batches form while the device computes, a failed launch fails its batch only, and a stop answers
-what is in flight.
+own result under each policy (GpuPolicy), batches form while the device computes and need no padding, batches
+fill on the device with early copies, a failed launch fails its batch only, and a stop answers what is in
+flight, mid-fill too.
 
 The CUDA runtime is the only part replaced; sessions, rings, the batcher and the runner are the real ones. On a
 GPU, tests/gpu/test_pipeline_e2e.py runs the pipeline through a broker."""
@@ -16,10 +17,11 @@ import numpy as np
 import pytest
 
 from shmbroker.broker.common import protocol as P
-from shmbroker.gpu_worker.batcher import Batcher
+from shmbroker.gpu_worker.batcher import Batcher, Take
 from shmbroker.gpu_worker.intake import ModelView
-from shmbroker.gpu_worker.pipeline import PipelineRunner
+from shmbroker.gpu_worker.pipeline import GpuPolicy, PipelineRunner
 from shmbroker.gpu_worker.sessions import WorkerSession
+from shmbroker.gpu_worker.streams import StreamSlot
 from shmbroker.gpu_worker.work import ModelCounters, Work
 from tests.conftest import ring_session, ring_work
 from tests.hostdevice import DoublingEngine, HostDevice
@@ -34,14 +36,24 @@ def session(tmp_path: Path) -> Iterator[tuple[WorkerSession, threading.Event]]:
         yield s
 
 
-def _runner(device: HostDevice, streams: int) -> tuple[PipelineRunner, DoublingEngine]:
+def _runner(device: HostDevice, streams: int,
+            policy: GpuPolicy | None = None) -> tuple[PipelineRunner, DoublingEngine, list[int]]:
+    """A warm runner; the list gets the rows that each batch filled on the device (``_fill``) opened with."""
     engine = DoublingEngine(device)
     view = ModelView(0, "double", MAX_BATCH, engine.inputs, engine.outputs, 5000)
     batcher: Batcher[Work] = Batcher(MAX_BATCH, 0, [], 256, idle_below=1)
-    runner = PipelineRunner(view, engine, batcher, ModelCounters(), streams)
+    runner = PipelineRunner(view, engine, batcher, ModelCounters(), streams, policy=policy or GpuPolicy())
     runner.warm_up()
     engine.batches.clear()
-    return runner, engine
+    filled: list[int] = []
+    fill = runner._fill
+
+    def counting_fill(slot: StreamSlot, take: Take[Work]) -> None:
+        filled.append(len(take.batch))
+        fill(slot, take)
+
+    runner._fill = counting_fill  # type: ignore[method-assign]
+    return runner, engine, filled
 
 
 def _trickle(runner: PipelineRunner, session: WorkerSession, device: HostDevice) -> list[np.ndarray]:
@@ -58,11 +70,19 @@ def _trickle(runner: PipelineRunner, session: WorkerSession, device: HostDevice)
     return xs
 
 
-@pytest.mark.parametrize("streams", [1, 2, 4])
+POLICIES = {
+    "default": GpuPolicy(), "serial": GpuPolicy(serial_compute=True),
+    "off": GpuPolicy(fill_while_busy=False, trim_to_sizes=False),
+    "early": GpuPolicy(early_copies=True), "early-serial": GpuPolicy(early_copies=True, serial_compute=True),
+}
+
+
+@pytest.mark.parametrize(("streams", "policy"), [(1, "default"), (2, "default"), (4, "default"),
+                                                 *[(2, name) for name in POLICIES if name != "default"]])
 def test_every_request_gets_its_own_result(host_device: HostDevice, session: tuple[WorkerSession, threading.Event],
-                                           streams: int) -> None:
+                                           streams: int, policy: str) -> None:
     ws, all_answered = session
-    runner, engine = _runner(host_device, streams)
+    runner, engine, filled = _runner(host_device, streams, POLICIES[policy])
     runner.start()
     try:
         xs = _trickle(runner, ws, host_device)
@@ -77,13 +97,29 @@ def test_every_request_gets_its_own_result(host_device: HostDevice, session: tup
     assert runner.counters.requests[P.Status.OK.name] == SLOTS
     for stage in ("h2d", "compute", "d2h", "answer"):
         assert runner.stages[stage].snapshot().count == len(engine.batches)
+    if POLICIES[policy].early_copies:
+        assert filled, "no batch filled on the device while another computed"
+
+
+def test_while_a_batch_computes_the_next_takes_a_size_that_needs_no_padding(
+        host_device: HostDevice, session: tuple[WorkerSession, threading.Event]) -> None:
+    ws, all_answered = session
+    runner, engine, _ = _runner(host_device, 2, GpuPolicy(fill_while_busy=False))
+    runner.start()
+    try:
+        _trickle(runner, ws, host_device)
+        assert all_answered.wait(30)
+    finally:
+        runner.stop()
+    busy = engine.batches[1:]  # the first ran alone on the idle device, with whatever was there
+    assert all(rows in (1, 2, 4, 8) for rows in busy), f"a batch formed while another ran was padded: {busy}"
 
 
 def test_a_stop_answers_every_request_in_flight(host_device: HostDevice,
                                                session: tuple[WorkerSession, threading.Event]) -> None:
     ws, all_answered = session
     host_device.row_s = 0.05  # batches still on the device at the stop
-    runner, engine = _runner(host_device, 2)
+    runner, engine, _ = _runner(host_device, 2)
     runner.start()
     for slot in range(SLOTS):
         runner.batcher.put(ring_work(ws, slot, np.ones((1, 4), np.float32)), wake=not runner.cheap)
@@ -95,11 +131,27 @@ def test_a_stop_answers_every_request_in_flight(host_device: HostDevice,
     assert answered[P.Status.OK.name] + answered[P.Status.SHUTTING_DOWN.name] == SLOTS
 
 
+def test_a_stop_while_a_batch_fills_answers_every_request(host_device: HostDevice,
+                                                          session: tuple[WorkerSession, threading.Event]) -> None:
+    ws, all_answered = session
+    host_device.stall_s = 1.0  # the first batch computes long enough for the next to be filling at the stop
+    runner, _, filled = _runner(host_device, 2, GpuPolicy(early_copies=True))
+    runner.start()
+    for slot in range(3):
+        runner.batcher.put(ring_work(ws, slot, np.ones((1, 4), np.float32)), wake=not runner.cheap)
+        runner.try_inline()
+    deadline = time.monotonic() + 30
+    while not filled and time.monotonic() < deadline:
+        time.sleep(0.001)  # until the runner thread has opened a filling batch (a test's poll, no product wait)
+    assert filled
+    ws.in_flight.difference_update(range(3, SLOTS))  # only the three requests are in flight
+    runner.stop()
+    assert all_answered.wait(30), f"{sorted(ws.in_flight)} were never answered"
 
 def test_a_launch_that_fails_fails_its_batch_only(host_device: HostDevice,
                                                  session: tuple[WorkerSession, threading.Event]) -> None:
     ws, all_answered = session
-    runner, engine = _runner(host_device, 1)
+    runner, engine, _ = _runner(host_device, 1)
     engine.refuse = -1.0
     bad = 2
     runner.start()

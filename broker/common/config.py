@@ -94,6 +94,9 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # while another batch runs, a batch takes the largest batch size the engine prepared (a CUDA graph's) that its
     # rows reach and leaves the rest for the next, instead of padding to the next size
     trim_to_sizes: bool = True
+    # with fill_while_busy: a batch opens by the delay alone and its rows are copied to the device as they come, so
+    # it can fill until the device needs it, less one chunk's copies instead of a whole batch's
+    early_copies: bool = False
     fp16: bool = False
     cuda_graphs: bool = True
 
