@@ -10,8 +10,8 @@ waits for no thread's wake-up; (2) answer the expired;
 device input buffer; (4) enqueue the engine on the slot's stream; (5) async D2H of each request's rows
 straight into its own ring slot; (6) record the end event and hand the slot to the completion thread.
 Completion thread: (7) wait for each batch's end event in launch order (spinning on a lone short batch's,
-asleep in the driver on any other), return the stream slot (the device is done with it), mark its ring
-slots DONE and send DONE (``runner.complete_ok``, the same code the CPU runner uses), feed the stage
+asleep in the driver on any other), mark its ring slots DONE and send DONE (``runner.complete_ok``, the
+same code the CPU runner uses), return the stream slot (first, for a batch that ran alone), feed the stage
 histograms.
 
 Nothing on this path allocates device or page-locked memory: the contexts' buffers are made at start and
@@ -337,9 +337,16 @@ class PipelineRunner(BatchRunner):
                 self._finished(slot)
                 continue
             stages, launched = self._stage_ms(slot), slot.launched  # read before the slot is reused
-            # the device is done with it: the next batch may launch while DONEs go out
-            self._finished(slot, None if stages is None else stages[0])
+            h2d = None if stages is None else stages[0]
+            # a batch that ran alone frees its slot first, so that the request its answer brings launches from the
+            # intake at once; under load the answers go first, ahead of the next launch's issue (bench/RESULTS.md#
+            # filling-batches-while-the-device-is-busy)
+            alone = self.batcher.running <= 1
+            if alone:
+                self._finished(slot, h2d)
             complete_ok(self.codec, self.counters, works)  # answers first, statistics after
+            if not alone:
+                self._finished(slot, h2d)
             self._record_stages(stages, launched)  # reads the clock for "answer": right after the DONEs
 
     def _wait_end(self, slot: StreamSlot) -> None:
