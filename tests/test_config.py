@@ -89,6 +89,18 @@ def test_gpu_model_keys_default_and_load() -> None:
     assert (g.engine, g.streams, g.fp16, g.cuda_graphs) == ("torch", 16, True, False)
 
 
+def test_gpu_batching_policy_keys_default_and_load() -> None:
+    m = C.parse(copy.deepcopy(MINIMAL)).models["m"]
+    assert (m.serial_compute, m.fill_while_busy, m.trim_to_sizes, m.early_copies) == (False, True, True, False)
+    g = C.parse(_model(serial_compute=True, trim_to_sizes=False, early_copies=True)).models["m"]
+    assert (g.serial_compute, g.fill_while_busy, g.trim_to_sizes, g.early_copies) == (True, True, False, True)
+
+
+def test_early_copies_without_filling_names_both_keys() -> None:
+    msg = _error(_model(early_copies=True, fill_while_busy=False))
+    assert "key 'models.m.early_copies'" in msg and "fill_while_busy = true" in msg
+
+
 def test_relative_model_path_resolves_against_the_file(tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     cfg_file = tmp_path / "sub" / "broker.toml"

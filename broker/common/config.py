@@ -162,6 +162,9 @@ def _check(cfg: Config, source: str) -> None:
         if m.engine == "inductor" and m.fp16:
             raise ConfigError(f"{source}: key 'models.{name}.fp16': an inductor package carries its own precision; "
                               "drop the key and build the package with shmbroker build --precision fp16")
+        if m.early_copies and not m.fill_while_busy:
+            raise ConfigError(f"{source}: key 'models.{name}.early_copies': a batch fills on the device only until the "
+                              "device needs it, so it needs fill_while_busy = true (or drop early_copies)")
         too_big = [b for b in m.preferred_batch_sizes if b > m.max_batch]
         if too_big:
             raise ConfigError(
