@@ -217,16 +217,21 @@ class Batcher(Generic[E]):
     def take_more(self, room: int, chunk: int, timeout: float) -> More[E]:
         """More rows for a batch handed out and still filling, whose rows are copied as they come: up to
         ``room`` rows, once ``min(chunk, room)`` wait; ``close`` once it should launch (``hold_until`` passed,
-        no other batch runs, or closed). Returns at the latest after ``timeout`` seconds (``close`` False)."""
+        no other batch runs, the next request does not fit ``room``, or closed). Returns at the latest after
+        ``timeout`` seconds (``close`` False)."""
         end = time.monotonic() + timeout
         need = max(1, min(chunk, room))
         with self._cond:
             while True:
                 now = time.monotonic()
                 expired = self._drop_expired(now)
-                close = self._closed or self._running <= 1 or now >= self.hold_until
+                # the next request does not fit what is left: the batch is as full as it gets
+                full = bool(self._q) and self._q[0].rows > room
+                close = self._closed or full or self._running <= 1 or now >= self.hold_until
                 if close or expired or self._items >= need or now >= end:
-                    return More([] if self._closed else self._pop_rows(room), expired, close)
+                    batch = [] if self._closed else self._pop_rows(room)
+                    left = room - sum(e.rows for e in batch)
+                    return More(batch, expired, close or (bool(self._q) and self._q[0].rows > left))
                 soonest = min((e.deadline for e in self._q), default=end)
                 self._filling = need
                 try:

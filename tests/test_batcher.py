@@ -601,3 +601,12 @@ def test_early_opening_ignores_the_hold() -> None:
     b.put(_entry("a"))
     opened = b.take_now()  # zero delay: a batch opens to copy its rows early, whatever the hold
     assert opened is not None and _names(opened.batch) == ["a"]
+
+
+def test_take_more_closes_when_the_next_request_does_not_fit() -> None:
+    b = _filling()
+    b.put(_entry("a"))
+    b.put(_entry("big", items=4))
+    more = b.take_more(room=3, chunk=2, timeout=LONG)  # "a" fits, "big" never will: launch with what there is
+    assert _names(more.batch) == ["a"] and more.close
+    assert len(b) == 1
