@@ -148,6 +148,7 @@ def test_a_stop_while_a_batch_fills_answers_every_request(host_device: HostDevic
     runner.stop()
     assert all_answered.wait(30), f"{sorted(ws.in_flight)} were never answered"
 
+
 def test_a_launch_that_fails_fails_its_batch_only(host_device: HostDevice,
                                                  session: tuple[WorkerSession, threading.Event]) -> None:
     ws, all_answered = session
