@@ -1,4 +1,4 @@
-"""The GPU bench's targets and its human table (figures: bench/RESULTS.md#gpu-path-h200)."""
+"""The GPU bench's targets and its human table (figures: bench/RESULTS.md#gpu-path)."""
 
 from __future__ import annotations
 

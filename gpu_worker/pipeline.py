@@ -9,10 +9,9 @@ waits for no thread's wake-up; (2) answer the expired;
 (3) gather: async H2D of each request from its registered ring slot straight into its rows of the slot's
 device input buffer; (4) enqueue the engine on the slot's stream; (5) async D2H of each request's rows
 straight into its own ring slot; (6) record the end event and hand the slot to the completion thread.
-Completion thread: (7) wait for each batch's end event in launch order (spinning on a lone short batch's,
-asleep in the driver on any other), mark its ring slots DONE and send DONE (``runner.complete_ok``, the
-same code the CPU runner uses), return the stream slot (first, for a batch that ran alone), feed the stage
-histograms.
+Completion thread: (7) wait for each batch's end event in launch order (polling a lone short batch's,
+sleeping in the driver on any other), mark its slots DONE and send DONE (``runner.complete_ok``, the same
+code the CPU runner uses), return the stream slot, feed the stage histograms.
 
 Nothing on this path allocates device or page-locked memory: the contexts' buffers are made at start and
 the rings are registered once per session (``WorkerSession.ensure_registered``).
@@ -21,6 +20,7 @@ the rings are registered once per session (``WorkerSession.ensure_registered``).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -45,9 +45,9 @@ log = logging.getLogger(__name__)
 STAGES = ("queue", "h2d", "compute", "d2h", "answer")
 POLL_S = 0.5  # how often a waiting runner looks at its stop flag
 BATCHED_COPIES = False  # until warm_up has measured which way of issuing copies costs this thread less
-# A lone batch expected to take at most this long is waited for spinning: the driver's blocking wait wakes the
-# completion thread 100-200 us after the device ends (bench/RESULTS.md#a-lone-request-on-the-h200).
-SPIN_END_MAX_MS = 2.0
+# A lone batch expected to take at most this long has its end event polled: the driver's blocking wait wakes
+# the completion thread 100-200 us after the device ends (bench/RESULTS.md#a-lone-request-on-the-h200).
+POLL_END_MAX_MS = 2.0
 # with early copies, a filling batch's rows go to the device in chunks of this many (a runner wake-up each),
 # and the plan's lead covers one chunk's issue and H2D
 EARLY_CHUNK = 32
@@ -58,7 +58,7 @@ class GpuPolicy:
     """How batches share the device: the config's ``serial_compute``, ``fill_while_busy``, ``trim_to_sizes``,
     ``early_copies``."""
 
-    serial_compute: bool = False
+    serial_compute: bool = True
     fill_while_busy: bool = True
     trim_to_sizes: bool = True
     early_copies: bool = False
@@ -287,7 +287,7 @@ class PipelineRunner(BatchRunner):
         and the end event, without waiting for the device."""
         ctx, stream = slot.ctx, slot.stream.handle
         slot.copied_in.record(stream)
-        if self.serial_compute and self._last_computed is not None:
+        if self.serial_compute and self._last_computed is not None and self.batcher.running > 1:
             slot.stream.wait(self._last_computed)  # the previous batch's compute, as recorded now
         ctx.enqueue(rows)  # (4)
         slot.computed.record(stream)
@@ -295,9 +295,6 @@ class PipelineRunner(BatchRunner):
         dsts, srcs, sizes = self.copies.outputs(works, ctx.output_ptrs)
         self.copies.issue(dsts, srcs, sizes, "d2h", stream)  # (5)
         slot.end.record(stream)  # (6)
-        slot.lone = self._lone(rows)
-        if slot.lone:
-            slot.end_spin.record(stream)
 
     def _abandon(self, slot: StreamSlot, works: list[Work], exc: BaseException) -> None:
         """A launch failed part-way: let what was queued finish (no copy may still target a slot that is
@@ -311,8 +308,8 @@ class PipelineRunner(BatchRunner):
         self._finished(slot)
 
     def _finished(self, slot: StreamSlot, h2d_ms: float | None = None) -> None:
-        """A slot's batch has ended on the device (its answers may still be going out): the plan and the batcher
-        know one batch fewer runs, and the slot is free. ``h2d_ms``: its H2D time, if it ran."""
+        """A slot's batch is answered (or failed): the plan and the batcher know one batch fewer runs, and the
+        slot is free. ``h2d_ms``: its H2D time, if it ran."""
         if self.plan is not None:
             # a filled batch's H2D stage spans its filling: no sample of the lead
             lead = None if h2d_ms is None or slot.filled else slot.issue_s + h2d_ms / 1e3
@@ -337,29 +334,19 @@ class PipelineRunner(BatchRunner):
                 self._finished(slot)
                 continue
             stages, launched = self._stage_ms(slot), slot.launched  # read before the slot is reused
-            h2d = None if stages is None else stages[0]
-            # a batch that ran alone frees its slot first, so that the request its answer brings launches from the
-            # intake at once; under load the answers go first, ahead of the next launch's issue (bench/RESULTS.md#
-            # filling-batches-while-the-device-is-busy)
-            alone = self.batcher.running <= 1
-            if alone:
-                self._finished(slot, h2d)
             complete_ok(self.codec, self.counters, works)  # answers first, statistics after
-            if not alone:
-                self._finished(slot, h2d)
+            self._finished(slot, None if stages is None else stages[0])
             self._record_stages(stages, launched)  # reads the clock for "answer": right after the DONEs
 
     def _wait_end(self, slot: StreamSlot) -> None:
-        """Return once the slot's batch has ended on the device: spinning in the driver (the GIL let go) for a
-        batch launched alone and short, asleep in the driver for any other."""
-        (slot.end_spin if slot.lone else slot.end).synchronize()
-
-    def _lone(self, rows: int) -> bool:
-        """Whether a batch just launched runs alone and is expected within ``SPIN_END_MAX_MS``."""
-        if self.batcher.running != 1:
-            return False
-        expected = self.expected_ms(rows)
-        return expected is not None and expected <= SPIN_END_MAX_MS
+        """Return once the slot's batch has ended on the device. A lone batch expected within
+        ``POLL_END_MAX_MS`` is polled, giving the core away between polls, for up to twice its expected time;
+        any other (or one that overruns) waits asleep in the driver."""
+        expected = self.expected_ms(slot.rows)
+        if (self.batcher.running == 1 and expected is not None and expected <= POLL_END_MAX_MS
+                and _poll(slot.end, slot.launched + 2 * expected / 1e3 + 1e-3)):
+            return
+        slot.end.synchronize()
 
     def _expected_s(self, rows: int) -> float | None:
         ms = self.expected_ms(rows)
@@ -388,6 +375,16 @@ class PipelineRunner(BatchRunner):
         self.stages["compute"].add(compute * 1e3)
         self.stages["d2h"].add(d2h * 1e3)
         self.stages["answer"].add(max(0.0, (time.monotonic() - launched) * 1e6 - (h2d + compute + d2h) * 1e3))
+
+
+def _poll(event: cuda.Event, until: float) -> bool:
+    """Poll ``event`` until it completes (True) or ``time.monotonic()`` passes ``until`` (False)."""
+    query, clock = event.query, time.monotonic
+    while not query():
+        if clock() > until:
+            return False
+        os.sched_yield()  # lets go of the GIL and the core for any thread that is ready
+    return True
 
 
 def _lead_per_row_s(slot: StreamSlot, model: ModelView, batched: bool) -> float:

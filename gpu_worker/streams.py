@@ -2,8 +2,7 @@
 
 A stream slot is everything one batch in flight needs, made once at start: a CUDA stream, the engine's
 context for that stream (device input and output buffers for ``max_batch`` rows), and four timing events
-that split the batch into its stages (H2D, compute, D2H), and one more that a lone batch's wait spins on.
-Nothing here allocates per batch.
+that split the batch into its stages (H2D, compute, D2H). Nothing here allocates per batch.
 """
 
 from __future__ import annotations
@@ -33,14 +32,11 @@ class StreamSlot:
             self.events = [cuda.Event(timing=True) for _ in range(3)]
             # the completion thread sleeps on this one in the driver instead of spinning a core
             self.events.append(cuda.Event(timing=True, blocking=True))
-            # recorded after ``end`` for a lone batch only: waiting on it spins in the driver, GIL let go
-            self.events.append(cuda.Event())
             self.context = engine.create_context(index, self.stream.handle, max_batch)
         except BaseException:
             self.close()
             raise
-        self.start, self.copied_in, self.computed, self.end, self.end_spin = self.events
-        self.lone = False  # the last batch was launched alone and short: its wait spins on ``end_spin``
+        self.start, self.copied_in, self.computed, self.end = self.events
         self.works: list[Work] = []
         self.rows = 0
         self.launched = 0.0  # time.monotonic() of the last launch

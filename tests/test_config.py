@@ -91,9 +91,9 @@ def test_gpu_model_keys_default_and_load() -> None:
 
 def test_gpu_batching_policy_keys_default_and_load() -> None:
     m = C.parse(copy.deepcopy(MINIMAL)).models["m"]
-    assert (m.serial_compute, m.fill_while_busy, m.trim_to_sizes, m.early_copies) == (False, True, True, False)
-    g = C.parse(_model(serial_compute=True, trim_to_sizes=False, early_copies=True)).models["m"]
-    assert (g.serial_compute, g.fill_while_busy, g.trim_to_sizes, g.early_copies) == (True, True, False, True)
+    assert (m.serial_compute, m.fill_while_busy, m.trim_to_sizes, m.early_copies) == (True, True, True, False)
+    g = C.parse(_model(serial_compute=False, trim_to_sizes=False, early_copies=True)).models["m"]
+    assert (g.serial_compute, g.fill_while_busy, g.trim_to_sizes, g.early_copies) == (False, True, False, True)
 
 
 def test_early_copies_without_filling_names_both_keys() -> None:

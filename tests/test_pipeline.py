@@ -1,13 +1,14 @@
 """gpu_worker.pipeline on a device in host memory (tests/hostdevice.py): every request is answered once with its
-own result under each policy (GpuPolicy), batches form while the device computes and need no padding, batches
-fill on the device with early copies, a failed launch fails its batch only, and a stop answers what is in
-flight, mid-fill too.
+own result under each policy (GpuPolicy), batches form while the device computes and need no padding, only a
+batch launched while another runs waits for its compute, batches fill on the device with early copies, a
+failed launch fails its batch only, and a stop answers what is in flight, mid-fill too.
 
 The CUDA runtime is the only part replaced; sessions, rings, the batcher and the runner are the real ones. On a
 GPU, tests/gpu/test_pipeline_e2e.py runs the pipeline through a broker."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from shmbroker.gpu_worker.pipeline import GpuPolicy, PipelineRunner
 from shmbroker.gpu_worker.sessions import WorkerSession
 from shmbroker.gpu_worker.streams import StreamSlot
 from shmbroker.gpu_worker.work import ModelCounters, Work
-from tests.conftest import ring_session, ring_work
+from tests.conftest import ring_session, ring_work, wait_until
 from tests.hostdevice import DoublingEngine, HostDevice
 
 SLOTS = 32
@@ -56,13 +57,17 @@ def _runner(device: HostDevice, streams: int,
     return runner, engine, filled
 
 
-def _trickle(runner: PipelineRunner, session: WorkerSession, device: HostDevice) -> list[np.ndarray]:
-    """Queue one request per slot as the intake thread does (with its inline launch): the first alone on the
-    idle device, where it computes for a second, then the rest in threes, a little apart, so that batches form
-    while the device computes however slowly this machine queues them."""
+def _answered(session: WorkerSession, slot: int) -> bool:
+    return slot not in session.in_flight
+
+
+def _trickle(runner: PipelineRunner, session: WorkerSession, device: HostDevice, start: int = 0) -> list[np.ndarray]:
+    """Queue one request per slot from ``start`` as the intake thread does (with its inline launch): the first
+    alone on the idle device, where it computes for a second, then the rest in threes, a little apart, so that
+    batches form while the device computes however slowly this machine queues them."""
     xs = [np.full((1, 4), float(slot + 1), np.float32) for slot in range(SLOTS)]
     device.stall_s = 1.0
-    for slot, x in enumerate(xs):
+    for slot, x in enumerate(xs[start:], start):
         runner.batcher.put(ring_work(session, slot, x), wake=not runner.cheap)
         runner.try_inline()
         if slot % 3 == 0:
@@ -71,9 +76,9 @@ def _trickle(runner: PipelineRunner, session: WorkerSession, device: HostDevice)
 
 
 POLICIES = {
-    "default": GpuPolicy(), "serial": GpuPolicy(serial_compute=True),
+    "default": GpuPolicy(), "shared": GpuPolicy(serial_compute=False),
     "off": GpuPolicy(fill_while_busy=False, trim_to_sizes=False),
-    "early": GpuPolicy(early_copies=True), "early-serial": GpuPolicy(early_copies=True, serial_compute=True),
+    "early": GpuPolicy(early_copies=True), "early-shared": GpuPolicy(early_copies=True, serial_compute=False),
 }
 
 
@@ -113,6 +118,33 @@ def test_while_a_batch_computes_the_next_takes_a_size_that_needs_no_padding(
         runner.stop()
     busy = engine.batches[1:]  # the first ran alone on the idle device, with whatever was there
     assert all(rows in (1, 2, 4, 8) for rows in busy), f"a batch formed while another ran was padded: {busy}"
+
+
+def test_only_a_batch_launched_while_another_runs_waits_for_its_compute(
+        host_device: HostDevice, session: tuple[WorkerSession, threading.Event]) -> None:
+    ws, all_answered = session
+    runner, engine, _ = _runner(host_device, 2)  # serial_compute, the default
+    waits: list[int] = []  # for each wait of a stream on another batch's compute: the batches enqueued before it
+    for stream_slot in runner.slots:
+        wait = stream_slot.stream.wait
+
+        def counting_wait(event: object, wait: object = wait) -> None:
+            waits.append(len(engine.batches))
+            wait(event)  # type: ignore[operator]
+
+        stream_slot.stream.wait = counting_wait  # type: ignore[method-assign]
+    runner.start()
+    try:
+        for slot in range(2):  # one at a time: each runs alone, after the one before it has ended
+            runner.batcher.put(ring_work(ws, slot, np.ones((1, 4), np.float32)), wake=not runner.cheap)
+            runner.try_inline()
+            wait_until(functools.partial(_answered, ws, slot), f"request {slot} answered")
+        assert waits == [], f"a batch alone on the idle device waited for another's compute ({waits})"
+        _trickle(runner, ws, host_device, start=2)
+        assert all_answered.wait(30)
+    finally:
+        runner.stop()
+    assert waits, f"no batch launched while another ran waited for its compute, batches {engine.batches}"
 
 
 def test_a_stop_answers_every_request_in_flight(host_device: HostDevice,

@@ -86,8 +86,9 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # plan carries its own precision)
     streams: Annotated[int, Meta(ge=1, le=16)] = 4  # stream slots: batches in flight on the device at once
     # a batch's compute waits for the previous batch's (copies still overlap): each batch computes alone, at its
-    # one-stream time, instead of sharing the device with the batches launched before it
-    serial_compute: bool = False
+    # one-stream time; computes that share the device run slower per row
+    # (bench/RESULTS.md#one-batch-computes-at-a-time)
+    serial_compute: bool = True
     # while the device computes other batches, a batch that is not full keeps growing until the device is about
     # to need it, not just for max_queue_delay_us (bench/RESULTS.md#filling-batches-while-the-device-is-busy)
     fill_while_busy: bool = True

@@ -22,12 +22,12 @@ TOL = {"nsfw32": 1e-4, "nsfw16": 1e-2}
 
 def _models(two: Path) -> str:
     common = "engine = \"torch\"\nmax_queue_delay_us = 2000\nmax_queue_size = 1024\ntimeout_ms = 60000\n"
-    # nsfw32: batches fill on the device, their rows copied as they come; nsfw16: one batch computing at a time,
-    # and a max_batch of 12, whose graph sizes (1..8, 10, 12) make a batch formed while another runs take fewer
-    # rows than are queued
+    # nsfw32: batches fill on the device, their rows copied as they come, and compute side by side; nsfw16: a
+    # max_batch of 12, whose graph sizes (1..8, 10, 12) make a batch formed while another runs take fewer rows
+    # than are queued
     return (f'[models.nsfw32]\npath = "{NSFW}"\n{common}max_batch = 8\nstreams = 4\nearly_copies = true\n'
+            'serial_compute = false\n'
             f'[models.nsfw16]\npath = "{NSFW}"\n{common}max_batch = 12\nstreams = 3\nfp16 = true\n'
-            'serial_compute = true\n'
             f'[models.two]\npath = "{two}"\n{common}max_batch = 8\nstreams = 2\n')
 
 
