@@ -4,7 +4,7 @@
 # short table at the end; logs and JSON go to $OUT. BENCH_ARGS adds options to every bench run. One request
 # at a time runs twice: with Client.call chains and with Client.infer (--api infer).
 #   bash bench/h200_acceptance.sh 8 7        (after installing the carried wheels, see ../shared/device)
-#   BENCH_ARGS="--quick --max-batch 256 --streams 4" bash bench/h200_acceptance.sh 96
+#   BENCH_ARGS="--quick --max-batch 256 --streams 2" bash bench/h200_acceptance.sh 40 48   (eager at its best batch)
 #   INDUCTOR=out/open-nsfw.fp16.inductor.pt2 bash bench/h200_acceptance.sh 8    (eager and inductor columns)
 set -uo pipefail
 out=${OUT:-/tmp/h200}
