@@ -56,9 +56,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="each window (default 5)")
     ap.add_argument("--processes", type=int, default=16, help="client processes in (b) and (c) (default 16)")
     ap.add_argument("--in-flight", type=int, default=8, help="requests each (c) client keeps in flight (default 8)")
-    ap.add_argument("--api", choices=("call", "infer"), default="call",
+    ap.add_argument("--api", choices=("call", "infer", "request"), default="call",
                     help="(c)'s clients: Client.call chains (default), or threads calling Client.infer in a loop, "
-                         "as a synchronous application does")
+                         "as a synchronous application does, or threads running zero-copy requests "
+                         "(Client.request, the input written in the slot before the timing starts)")
     ap.add_argument("--log-dir", default=None, metavar="DIR", help="keep the broker's log there")
     ap.add_argument("--only", default=",".join(PHASES), metavar="PHASES",
                     help=f"comma-separated subset of {','.join(PHASES)} (tuning runs; targets then read n/a)")

@@ -2,7 +2,10 @@
 
 Each client process keeps ``in_flight`` batch-1 requests outstanding with ``Client.call`` (a request's
 callback submits the next, as in bench/load.py) and times every request from submit to callback; with the
-``infer`` API, ``in_flight`` threads each call ``Client.infer`` in a loop, timed from call to return. Its
+``infer`` API, ``in_flight`` threads each call ``Client.infer`` in a loop, timed from call to return; with the
+``request`` API, each thread writes its input into a held slot in place (``Client.request``, as an application
+that decodes straight into the slot does) and times ``run()``, from the input in the slot to the outputs
+readable there, as the in-process lone figure times its input in page-locked memory to its outputs. Its
 window's start and end are reported on the system-wide monotonic clock, so that the bench process can pick
 the GPU utilization samples and the broker's stats that fall inside the window.
 
@@ -99,13 +102,8 @@ class _Loops(_Chains):
         samples: list[int] = []
         errors: collections.Counter[str] = collections.Counter()
         answered = 0
-        while (t0 := time.perf_counter_ns()) / 1e9 < self.t_end:
-            try:
-                self.client.infer(self.model, self.x)
-                code = ""
-            except ShmBrokerError as exc:
-                code = exc.code
-            t = time.perf_counter_ns()
+        while time.perf_counter_ns() / 1e9 < self.t_end:
+            t0, t, code = self._one()
             answered += 1
             if self.t_count <= t / 1e9 < self.t_end:
                 if code:
@@ -118,6 +116,33 @@ class _Loops(_Chains):
             self.answered += answered
             self.live -= 1
 
+    def _one(self) -> tuple[int, int, str]:
+        """One request: when its timing starts and ends, and its error code ('' for none)."""
+        t0 = time.perf_counter_ns()
+        try:
+            self.client.infer(self.model, self.x)
+            code = ""
+        except ShmBrokerError as exc:
+            code = exc.code
+        return t0, time.perf_counter_ns(), code
+
+
+class _InPlace(_Loops):
+    """As ``_Loops``, with zero-copy requests: the input is written into the held slot before the timing starts,
+    and the outputs are read in place."""
+
+    def _one(self) -> tuple[int, int, str]:
+        t0 = 0
+        try:
+            with self.client.request(self.model) as req:
+                next(iter(req.inputs.values()))[...] = self.x
+                t0 = time.perf_counter_ns()
+                req.run()
+                return t0, time.perf_counter_ns(), ""
+        except ShmBrokerError as exc:
+            t = time.perf_counter_ns()
+            return t0 or t, t, exc.code
+
 
 def client(spec: dict[str, Any], sync: Sync) -> Figures:
     """One application process: its own session, ``in_flight`` batch-1 requests in flight for the window."""
@@ -129,7 +154,7 @@ def client(spec: dict[str, Any], sync: Sync) -> Figures:
         sync()
         t0 = time.perf_counter()
         w0 = time.monotonic() + spec["warmup_s"]
-        kind = _Loops if spec.get("api") == "infer" else _Chains
+        kind = {"infer": _Loops, "request": _InPlace}.get(spec.get("api", "call"), _Chains)
         chains = kind(c, model, x, t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"], in_flight)
         cpu0 = time.process_time()
         drained = chains.run(spec["warmup_s"] + spec["duration_s"] + 30.0)

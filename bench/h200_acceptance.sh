@@ -2,7 +2,8 @@
 # The GPU acceptance on the GPU machine, in one call: the GPU tests, then the GPU bench at the given
 # in-flight counts (16 client processes each), then one request at a time (1 process, 1 in flight). Prints a
 # short table at the end; logs and JSON go to $OUT. BENCH_ARGS adds options to every bench run. One request
-# at a time runs twice: with Client.call chains and with Client.infer (--api infer).
+# at a time runs three times: with Client.call chains, with Client.infer (--api infer) and with zero-copy
+# requests (--api request: the input written in the slot before the timing starts).
 #   bash bench/h200_acceptance.sh 8 7        (after installing the carried wheels, see ../shared/device)
 #   BENCH_ARGS="--quick --max-batch 256 --streams 2" bash bench/h200_acceptance.sh 40 48   (eager at its best batch)
 #   INDUCTOR=out/open-nsfw.fp16.inductor.pt2 bash bench/h200_acceptance.sh 8    (eager and inductor columns)
@@ -26,11 +27,14 @@ echo "bench one request at a time (Client.call): exit $?"
 python3 -m shmbroker.bench.gpu --json --out "$out/bench_lone_infer.json" --only limit,broker --processes 1 \
   --in-flight 1 --api infer "${engines[@]}" "${extra[@]}" > "$out/bench_lone_infer.txt" 2>&1
 echo "bench one request at a time (Client.infer): exit $?"
+python3 -m shmbroker.bench.gpu --json --out "$out/bench_lone_request.json" --only limit,broker --processes 1 \
+  --in-flight 1 --api request "${engines[@]}" "${extra[@]}" > "$out/bench_lone_request.txt" 2>&1
+echo "bench one request at a time (Client.request): exit $?"
 echo
 echo "== summary =="
 tail -n 1 "$out/gpu_tests.log"
 echo "gpu tests exit code: $tests_rc"
-python3 - "$out" "$@" lone lone_infer <<'PY'
+python3 - "$out" "$@" lone lone_infer lone_request <<'PY'
 import json, sys
 out, counts = sys.argv[1], sys.argv[2:]
 print(f"{'in flight':>9} {'engine':>9} {'(a) img/s':>10} {'(c) img/s':>10} {'c/a':>6} {'GPU %':>6} {'p99 ms':>7} "

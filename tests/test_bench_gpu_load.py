@@ -28,7 +28,7 @@ def test_batch_sizes_and_compute_of_the_window_only() -> None:
     assert out["compute_busy_pct"] == 2.0  # 10 ms of event-timed compute in 0.5 s
 
 
-@pytest.mark.parametrize("api", ["call", "infer"])
+@pytest.mark.parametrize("api", ["call", "infer", "request"])
 def test_a_client_process_counts_its_windows_answers_with_each_api(broker: RunningBroker, api: str) -> None:
     spec = {"index": 0, "seed": 1, "shape": [1, TINY_WIDTH], "warmup_s": 0.1, "duration_s": 0.5,
             "runtime_dir": str(broker.runtime_dir), "model": "tiny", "in_flight": 3, "api": api,
