@@ -211,12 +211,9 @@ class PipelineRunner(BatchRunner):
     def _fill(self, slot: StreamSlot, take: Take[Work]) -> None:
         """(1b) A batch opened while the device computes: its rows go to the device as they come, in chunks,
         and it launches once the plan says the device will need it, once full, or once no other batch runs."""
-        self.answer_timed_out(take)  # (2)
-        if not take.batch:
-            self._free.put(slot)
+        if not self._opened(slot, take):
             return
         opened = time.monotonic()
-        slot.expected_s = 0.0
         works: list[Work] = []
         rows, batch, close = 0, take.batch, False
         try:
@@ -224,8 +221,7 @@ class PipelineRunner(BatchRunner):
                 slot.start.record(slot.stream.handle)
             while True:
                 if batch:
-                    now = time.monotonic()
-                    self.stages["queue"].add_all([(now - e.enqueued) * 1e6 for e in batch])
+                    self._queued(batch)
                     works += batch
                     with self._launching:
                         rows = self._copy_in(slot, batch, rows)  # (3), a chunk
@@ -241,18 +237,14 @@ class PipelineRunner(BatchRunner):
         except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
             self._abandon(slot, works, exc)
             return
-        slot.filled = True
-        self._launched_batch(slot, works, rows, opened, issuing)
+        self._launched_batch(slot, works, rows, opened, issuing, filled=True)
 
     def _launch(self, slot: StreamSlot, take: Take[Work]) -> None:
-        self.answer_timed_out(take)  # (2)
-        if not take.batch:
-            self._free.put(slot)
+        if not self._opened(slot, take):
             return
         now = time.monotonic()
-        self.stages["queue"].add_all([(now - e.enqueued) * 1e6 for e in take.batch])
         works = take.batch
-        slot.expected_s = 0.0  # not in the plan until its issue ends
+        self._queued(works)
         try:
             slot.start.record(slot.stream.handle)
             rows = self._copy_in(slot, works, 0)  # (3)
@@ -260,11 +252,26 @@ class PipelineRunner(BatchRunner):
         except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
             self._abandon(slot, works, exc)
             return
-        slot.filled = False
-        self._launched_batch(slot, works, rows, now, now)
+        self._launched_batch(slot, works, rows, now, now, filled=False)
 
-    def _launched_batch(self, slot: StreamSlot, works: list[Work], rows: int, opened: float, issuing: float) -> None:
-        """The batch is queued on the device: into the plan, and to the completion thread."""
+    def _opened(self, slot: StreamSlot, take: Take[Work]) -> bool:
+        """(2) Answer the take's timed-out requests; whether a batch is left (if not, the slot goes back)."""
+        self.answer_timed_out(take)
+        if not take.batch:
+            self._free.put(slot)
+            return False
+        slot.expected_s = 0.0  # not in the plan until its issue ends
+        return True
+
+    def _queued(self, works: list[Work]) -> None:
+        now = time.monotonic()
+        self.stages["queue"].add_all([(now - w.enqueued) * 1e6 for w in works])
+
+    def _launched_batch(self, slot: StreamSlot, works: list[Work], rows: int, opened: float, issuing: float, *,
+                        filled: bool) -> None:
+        """The batch is queued on the device: into the plan, and to the completion thread. ``filled``: its rows
+        were copied as they came (``_fill``)."""
+        slot.filled = filled
         slot.works = works
         slot.rows = rows
         slot.launched = opened
