@@ -7,8 +7,9 @@ early copies it opens at once and fills on the device, ``_fill``);
 while the device is idle the intake thread launches a due batch itself (``try_inline``), so a lone request
 waits for no thread's wake-up; (2) answer the expired;
 (3) gather: async H2D of each request from its registered ring slot straight into its rows of the slot's
-device input buffer; (4) enqueue the engine on the slot's stream; (5) async D2H of each request's rows
-straight into its own ring slot; (6) record the end event and hand the slot to the completion thread.
+device input buffer; (4) enqueue the engine on the slot's stream, behind the previous batch's compute while
+that one still runs (``serial_compute``); (5) async D2H of each request's rows straight into its own ring
+slot; (6) record the end event and hand the slot to the completion thread.
 Completion thread: (7) wait for each batch's end event in launch order (polling a lone short batch's,
 sleeping in the driver on any other), mark its slots DONE and send DONE (``runner.complete_ok``, the same
 code the CPU runner uses), return the stream slot, feed the stage histograms.
