@@ -240,7 +240,7 @@ class Batcher(Generic[E]):
                     self._filling = 0
 
     def _pop_rows(self, room: int) -> list[E]:
-        """Queued requests in order while they fit ``room`` rows (a batch already running: ``running`` stays)."""
+        """Queued requests in order while they fit ``room`` rows; ``running`` is the caller's to count."""
         out: list[E] = []
         rows = 0
         while self._q and rows + self._q[0].rows <= room:
@@ -297,16 +297,10 @@ class Batcher(Generic[E]):
         target = self._target()
         if self.fits and self._running and self._items < target:
             target = max((f for f in self.fits if f <= self._items), default=target)
-        batch: list[E] = []
-        rows = 0
-        while self._q and rows + self._q[0].rows <= target:
-            e = self._q.popleft()
-            rows += e.rows
-            batch.append(e)
+        batch = self._pop_rows(target)
         if not batch and self._q:  # never starve a request that alone exceeds a preferred size
             batch.append(self._q.popleft())
-            rows = batch[0].rows
-        self._items -= rows
+            self._items -= batch[0].rows
         self._running += 1
         return batch
 

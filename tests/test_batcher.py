@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from shmbroker.gpu_worker.batcher import Batcher, Queued, Take
+from shmbroker.gpu_worker.batcher import Batcher, More, Queued, Take
 
 LONG = 60.0  # seconds: a delay or deadline that no test waits for
 LONG_US = int(LONG * 1e6)
@@ -527,6 +527,16 @@ def test_while_a_batch_runs_one_that_is_not_full_takes_the_largest_size_that_nee
 # ---------------------------------------------------------------------------------------------------------
 # take_more: a batch that fills on the device, its rows copied as they come
 # ---------------------------------------------------------------------------------------------------------
+def _take_more_asleep(b: Batcher[Queued[str]], room: int,
+                      chunk: int) -> tuple[threading.Thread, list[More[Queued[str]]]]:
+    """``take_more`` on a thread of its own, returned once that thread sleeps in it."""
+    out: list[More[Queued[str]]] = []
+    t = threading.Thread(target=lambda: out.append(b.take_more(room, chunk, LONG)), daemon=True)
+    t.start()
+    _wait_until_sleeping(b)
+    return t, out
+
+
 def _filling(hold_in: float = LONG) -> Batcher[Queued[str]]:
     """A batcher whose device runs one batch and holds another (the filling one) for ``hold_in`` seconds."""
     b: Batcher[Queued[str]] = Batcher(8, 0, [], 100, idle_below=1)
@@ -558,42 +568,33 @@ def test_take_more_takes_at_most_the_room_left() -> None:
 
 def test_a_sleeping_take_more_wakes_for_its_chunk() -> None:
     b = _filling()
-    out: list[object] = []
-    t = threading.Thread(target=lambda: out.append(b.take_more(7, 2, LONG)), daemon=True)
-    t.start()
-    _wait_until_sleeping(b)
+    t, out = _take_more_asleep(b, 7, 2)
     b.put(_entry("a"))
     t.join(0.2)
     assert t.is_alive()  # one row of a chunk of two
     b.put(_entry("b"))
     t.join(20.0)
     assert not t.is_alive()
-    assert _names(out[0].batch) == ["a", "b"]  # type: ignore[attr-defined]
+    assert _names(out[0].batch) == ["a", "b"]
 
 
 def test_take_more_closes_when_the_other_batch_ends() -> None:
     b = _filling()
-    out: list[object] = []
-    t = threading.Thread(target=lambda: out.append(b.take_more(7, 4, LONG)), daemon=True)
-    t.start()
-    _wait_until_sleeping(b)
+    t, out = _take_more_asleep(b, 7, 4)
     b.put(_entry("a"))
     b.done()  # the running batch ended: the filling one must launch now, with what it has
     t.join(20.0)
     assert not t.is_alive()
     more = out[0]
-    assert more.close and _names(more.batch) == ["a"]  # type: ignore[attr-defined]
+    assert more.close and _names(more.batch) == ["a"]
 
 
 def test_take_more_closes_at_the_hold() -> None:
     b = _filling(hold_in=LONG)
-    out: list[object] = []
-    t = threading.Thread(target=lambda: out.append(b.take_more(7, 4, LONG)), daemon=True)
-    t.start()
-    _wait_until_sleeping(b)
+    t, out = _take_more_asleep(b, 7, 4)
     b.hold(time.monotonic() - 1.0)  # the device will need it now
     t.join(20.0)
-    assert not t.is_alive() and out[0].close  # type: ignore[attr-defined]
+    assert not t.is_alive() and out[0].close
 
 
 def test_early_opening_ignores_the_hold() -> None:
