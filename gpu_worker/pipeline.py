@@ -36,7 +36,7 @@ from shmbroker.gpu_worker.histogram import Histogram
 from shmbroker.gpu_worker.intake import ModelView
 from shmbroker.gpu_worker.launchplan import LaunchPlan
 from shmbroker.gpu_worker.runner import BatchRunner
-from shmbroker.gpu_worker.streams import CopyPlan, StreamSlot, issue, probe_batched_copies
+from shmbroker.gpu_worker.streams import CopyPlan, FreeSlots, StreamSlot, issue, probe_batched_copies
 from shmbroker.gpu_worker.work import ModelCounters, Work, complete_ok
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class PipelineRunner(BatchRunner):
         self.copies = CopyPlan(self.codec, batched_copies)
         self.stages = {name: Histogram() for name in STAGES}
         counters.stages = self.stages
-        self._free: queue.SimpleQueue[StreamSlot] = queue.SimpleQueue()
+        self._free = FreeSlots()
         self._launched: queue.SimpleQueue[StreamSlot | None] = queue.SimpleQueue()
         self._completer = threading.Thread(target=self._complete_loop, name=f"complete-{model.name}", daemon=True)
         self._launching = threading.Lock()  # one launch at a time: the runner thread's or the intake's
@@ -121,9 +121,8 @@ class PipelineRunner(BatchRunner):
             self.batcher.kick()
             return False
         try:
-            try:
-                slot = self._free.get_nowait()
-            except queue.Empty:
+            slot = self._free.get_nowait()
+            if slot is None:
                 self.batcher.kick()
                 return False
             take = self.batcher.take_now()
@@ -195,9 +194,8 @@ class PipelineRunner(BatchRunner):
         proc.name_thread(self._thread.name)
         self._use_device()
         while not self._stop.is_set():
-            try:
-                slot = self._free.get(timeout=POLL_S)  # (1) a free stream slot first: batches grow meanwhile
-            except queue.Empty:
+            slot = self._free.get(POLL_S)  # (1) a free stream slot first: batches grow meanwhile
+            if slot is None:
                 continue
             take = self.batcher.take(timeout=POLL_S)
             if take is None:
@@ -323,8 +321,8 @@ class PipelineRunner(BatchRunner):
             lead = None if h2d_ms is None or slot.filled else slot.issue_s + h2d_ms / 1e3
             self.batcher.hold(self.plan.ended(time.monotonic(), slot.expected_s, lead, slot.rows,
                                               self.batcher.running - 1))
+        self._free.put(slot)  # before done(): whoever sees no batch running finds the slot free
         self.batcher.done()
-        self._free.put(slot)
 
     # -- completion thread ---------------------------------------------------------------------------------
     def _complete_loop(self) -> None:
@@ -341,10 +339,11 @@ class PipelineRunner(BatchRunner):
                 self.fail(works, exc)
                 self._finished(slot)
                 continue
-            stages, launched = self._stage_ms(slot), slot.launched  # read before the slot is reused
             complete_ok(self.codec, self.counters, works)  # answers first, statistics after
+            answered = time.monotonic()
+            stages, launched = self._stage_ms(slot), slot.launched  # read before the slot is reused
             self._finished(slot, None if stages is None else stages[0])
-            self._record_stages(stages, launched)  # reads the clock for "answer": right after the DONEs
+            self._record_stages(stages, answered - launched)
 
     def _wait_end(self, slot: StreamSlot) -> None:
         """Return once the slot's batch has ended on the device. A lone batch expected within
@@ -375,14 +374,15 @@ class PipelineRunner(BatchRunner):
             log.warning("model %s: stage timing failed: %s", self.model.name, exc)
             return None
 
-    def _record_stages(self, stages: tuple[float, float, float] | None, launched: float) -> None:
+    def _record_stages(self, stages: tuple[float, float, float] | None, answered_s: float) -> None:
+        """Feed the histograms; ``answered_s``: from the batch's launch to its last DONE sent."""
         if stages is None:
             return
         h2d, compute, d2h = stages
         self.stages["h2d"].add(h2d * 1e3)
         self.stages["compute"].add(compute * 1e3)
         self.stages["d2h"].add(d2h * 1e3)
-        self.stages["answer"].add(max(0.0, (time.monotonic() - launched) * 1e6 - (h2d + compute + d2h) * 1e3))
+        self.stages["answer"].add(max(0.0, answered_s * 1e6 - (h2d + compute + d2h) * 1e3))
 
 
 def _poll(event: cuda.Event, until: float) -> bool:

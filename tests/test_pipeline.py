@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +59,10 @@ def _runner(device: HostDevice, streams: int,
 
 def _answered(session: WorkerSession, slot: int) -> bool:
     return slot not in session.in_flight
+
+
+def _answered_and_idle(session: WorkerSession, slot: int, runner: PipelineRunner) -> bool:
+    return _answered(session, slot) and runner.batcher.running == 0
 
 
 def _trickle(runner: PipelineRunner, session: WorkerSession, device: HostDevice, start: int = 0) -> list[np.ndarray]:
@@ -145,6 +149,31 @@ def test_only_a_batch_launched_while_another_runs_waits_for_its_compute(
     finally:
         runner.stop()
     assert waits, f"no batch launched while another ran waited for its compute, batches {engine.batches}"
+
+
+def test_requests_one_at_a_time_run_on_one_stream_slot(host_device: HostDevice,
+                                                       session: tuple[WorkerSession, threading.Event]) -> None:
+    ws, _ = session
+    runner, _, _ = _runner(host_device, 4)
+    used: list[int] = []  # the stream slot of each batch
+    for stream_slot in runner.slots:
+        enqueue = stream_slot.ctx.enqueue
+
+        def recording(rows: int, enqueue: Callable[[int], None] = enqueue, index: int = stream_slot.index) -> None:
+            used.append(index)
+            enqueue(rows)
+
+        stream_slot.ctx.enqueue = recording  # type: ignore[method-assign]
+    runner.start()
+    try:
+        for slot in range(6):
+            runner.batcher.put(ring_work(ws, slot, np.ones((1, 4), np.float32)), wake=not runner.cheap)
+            runner.try_inline()
+            wait_until(functools.partial(_answered_and_idle, ws, slot, runner),
+                       f"request {slot} answered and its stream slot free")
+    finally:
+        runner.stop()
+    assert len(used) == 6 and len(set(used)) == 1, f"lone requests went round the stream slots: {used}"
 
 
 def test_a_stop_answers_every_request_in_flight(host_device: HostDevice,
