@@ -321,8 +321,8 @@ class PipelineRunner(BatchRunner):
             lead = None if h2d_ms is None or slot.filled else slot.issue_s + h2d_ms / 1e3
             self.batcher.hold(self.plan.ended(time.monotonic(), slot.expected_s, lead, slot.rows,
                                               self.batcher.running - 1))
-        self._free.put(slot)  # before done(): whoever sees no batch running finds the slot free
         self.batcher.done()
+        self._free.put(slot)
 
     # -- completion thread ---------------------------------------------------------------------------------
     def _complete_loop(self) -> None:

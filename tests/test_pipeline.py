@@ -61,8 +61,9 @@ def _answered(session: WorkerSession, slot: int) -> bool:
     return slot not in session.in_flight
 
 
-def _answered_and_idle(session: WorkerSession, slot: int, runner: PipelineRunner) -> bool:
-    return _answered(session, slot) and runner.batcher.running == 0
+def _completed(runner: PipelineRunner, batches: int) -> bool:
+    """The completion thread is through ``batches`` batches: answered, stream slots back, stages recorded."""
+    return runner.stages["answer"].snapshot().count == batches
 
 
 def _trickle(runner: PipelineRunner, session: WorkerSession, device: HostDevice, start: int = 0) -> list[np.ndarray]:
@@ -169,8 +170,7 @@ def test_requests_one_at_a_time_run_on_one_stream_slot(host_device: HostDevice,
         for slot in range(6):
             runner.batcher.put(ring_work(ws, slot, np.ones((1, 4), np.float32)), wake=not runner.cheap)
             runner.try_inline()
-            wait_until(functools.partial(_answered_and_idle, ws, slot, runner),
-                       f"request {slot} answered and its stream slot free")
+            wait_until(functools.partial(_completed, runner, slot + 1), f"request {slot}'s batch completed")
     finally:
         runner.stop()
     assert len(used) == 6 and len(set(used)) == 1, f"lone requests went round the stream slots: {used}"
