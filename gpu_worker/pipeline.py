@@ -36,7 +36,7 @@ from shmbroker.gpu_worker.histogram import Histogram
 from shmbroker.gpu_worker.intake import ModelView
 from shmbroker.gpu_worker.launchplan import LaunchPlan
 from shmbroker.gpu_worker.runner import BatchRunner
-from shmbroker.gpu_worker.streams import CopyPlan, FreeSlots, StreamSlot, issue, probe_batched_copies
+from shmbroker.gpu_worker.streams import CopyPlan, StreamSlot, issue, probe_batched_copies
 from shmbroker.gpu_worker.work import ModelCounters, Work, complete_ok
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,9 @@ class PipelineRunner(BatchRunner):
         self.copies = CopyPlan(self.codec, batched_copies)
         self.stages = {name: Histogram() for name in STAGES}
         counters.stages = self.stages
-        self._free = FreeSlots()
+        # the most recently freed first: requests one at a time keep to the slot whose buffers and graph the
+        # device used last, and the others stay idle
+        self._free: queue.LifoQueue[StreamSlot] = queue.LifoQueue()
         self._launched: queue.SimpleQueue[StreamSlot | None] = queue.SimpleQueue()
         self._completer = threading.Thread(target=self._complete_loop, name=f"complete-{model.name}", daemon=True)
         self._launching = threading.Lock()  # one launch at a time: the runner thread's or the intake's
@@ -121,8 +123,9 @@ class PipelineRunner(BatchRunner):
             self.batcher.kick()
             return False
         try:
-            slot = self._free.get_nowait()
-            if slot is None:
+            try:
+                slot = self._free.get_nowait()
+            except queue.Empty:
                 self.batcher.kick()
                 return False
             take = self.batcher.take_now()
@@ -194,8 +197,9 @@ class PipelineRunner(BatchRunner):
         proc.name_thread(self._thread.name)
         self._use_device()
         while not self._stop.is_set():
-            slot = self._free.get(POLL_S)  # (1) a free stream slot first: batches grow meanwhile
-            if slot is None:
+            try:
+                slot = self._free.get(timeout=POLL_S)  # (1) a free stream slot first: batches grow meanwhile
+            except queue.Empty:
                 continue
             take = self.batcher.take(timeout=POLL_S)
             if take is None:

@@ -8,7 +8,6 @@ that split the batch into its stages (H2D, compute, D2H). Nothing here allocates
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 
@@ -18,31 +17,6 @@ from shmbroker.gpu_worker.engines.base import DeviceContext, DeviceEngine
 from shmbroker.gpu_worker.work import Work
 
 log = logging.getLogger(__name__)
-
-
-class FreeSlots:
-    """The free stream slots, the most recently freed first: a lone request's batch runs on the slot whose
-    buffers and graph the device used last, and the others stay idle."""
-
-    def __init__(self) -> None:
-        self._slots: list[StreamSlot] = []
-        self._ready = threading.Condition(threading.Lock())
-
-    def put(self, slot: StreamSlot) -> None:
-        with self._ready:
-            self._slots.append(slot)
-            self._ready.notify()
-
-    def get_nowait(self) -> StreamSlot | None:
-        with self._ready:
-            return self._slots.pop() if self._slots else None
-
-    def get(self, timeout: float) -> StreamSlot | None:
-        """A free slot, waiting up to ``timeout`` seconds for one; None if none came."""
-        with self._ready:
-            if not self._ready.wait_for(lambda: self._slots, timeout):
-                return None
-            return self._slots.pop()
 
 
 class StreamSlot:
