@@ -1,7 +1,8 @@
 """gpu_worker.pipeline on a device in host memory (tests/hostdevice.py): every request is answered once with its
 own result under each policy (GpuPolicy), batches form while the device computes and need no padding, only a
-batch launched while another runs waits for its compute, batches fill on the device with early copies, a
-failed launch fails its batch only, and a stop answers what is in flight, mid-fill too.
+batch launched while another runs waits for its compute, requests one at a time keep to one stream slot,
+batches fill on the device with early copies, a failed launch fails its batch only, and a stop answers what
+is in flight, mid-fill too.
 
 The CUDA runtime is the only part replaced; sessions, rings, the batcher and the runner are the real ones. On a
 GPU, tests/gpu/test_pipeline_e2e.py runs the pipeline through a broker."""
