@@ -40,6 +40,10 @@ SLOT_ANSWERS = platform.machine().lower() in ("x86_64", "amd64")
 # with answers 1-2 ms apart, that sleeping between them costs the most
 # (bench/RESULTS.md#spin-policy-and-io-thread-reach).
 IO_SPIN_REACH = 4
+# The IO thread's spin reads the slot headers of the requests in flight while there are at most this many: a
+# few requests each waited on closely (a callback that sends the next); more would make each look cost more
+# than the ZeroMQ hop it saves (bench/RESULTS.md#callbacks-read-answers-from-slot-headers).
+PEEK_MAX = 4
 
 
 class Receiver:
@@ -116,8 +120,7 @@ class Receiver:
                     pollers, links = self._make_pollers()
                 if self.role.io_may_receive():
                     try:
-                        events = self._poll(pollers[0])  # (1)
-                        answered = False
+                        events, answered = self._poll(pollers[0])  # (1), and answers read from slot headers
                         for link in links:
                             if link.pull in events:
                                 if not answered:
@@ -151,22 +154,42 @@ class Receiver:
                 return
             raise
 
-    def _poll(self, poller: zmq.Poller) -> dict[Any, int]:
-        """The IO thread's poll. Right after it handled answers, while more are in flight and most recent
-        answers came within ``IO_SPIN_REACH`` windows of the client's ``spin_us`` (broker.common.spin), it polls
-        without sleeping until one comes or the window ends. Why: on small and virtual machines a thread
-        woken from sleep costs tens of microseconds more per wake-up, and it is woken once per DONE message
-        (bench/RESULTS.md#io-thread-spin)."""
+    def _poll(self, poller: zmq.Poller) -> tuple[dict[Any, int], bool]:
+        """The IO thread's poll: its events, and whether it completed answers from slot headers meanwhile.
+
+        Right after it handled answers, while more are in flight and most recent answers came within
+        ``IO_SPIN_REACH`` windows of the client's ``spin_us`` (broker.common.spin), it polls without sleeping
+        until one comes or the window ends. Why: on small and virtual machines a thread woken from sleep
+        costs tens of microseconds more per wake-up, and it is woken once per DONE message
+        (bench/RESULTS.md#io-thread-spin). While at most ``PEEK_MAX`` requests are in flight, the spin also
+        reads their slot headers, as a caller in ``infer()`` does: an answer is complete there before its
+        DONE message has crossed both ZeroMQ IO threads."""
         spin = self._spin
-        if spin.until and self._slots.pending:
+        pending = self._slots.pending
+        if spin.until and pending:
             clock = time.perf_counter_ns
+            peek = SLOT_ANSWERS and len(pending) <= PEEK_MAX
             while clock() < spin.until:
                 events = poller.poll(0)
                 if events:
-                    return dict(events)
+                    return dict(events), False
+                if peek and self._answered_in_slots():
+                    spin.arrived(clock())
+                    return {}, True
                 # a ready thread (ZeroMQ's IO thread bringing the answer, another process) runs first
                 os.sched_yield()
-        return dict(poller.poll(100))
+        return dict(poller.poll(100)), False
+
+    def _answered_in_slots(self) -> bool:
+        """Complete every request in flight whose slot header says DONE (``answered_in_slot``); True if any
+        did. Submits made by their callbacks go out together after them, as in ``drain``."""
+        answered = False
+        with self._links.cork:
+            for slot in list(self._slots.pending):
+                answered = self.answered_in_slot(slot) or answered
+        if answered:
+            self._links.flush_all()
+        return answered
 
     def _parked_poll(self, poller: zmq.Poller) -> dict[Any, int]:
         """The parked IO thread's poll of everything but the reply sockets. It looks every WATCH_MS while

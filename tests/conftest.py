@@ -28,6 +28,7 @@ from shmbroker.broker.common import ring
 from shmbroker.broker.common.ask import ask_broker
 from shmbroker.broker.common.peergate import PeerGate
 from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
+from shmbroker.client.receiving import Receiver
 from shmbroker.gpu_worker.sessions import WorkerSession
 from shmbroker.gpu_worker.work import Work
 from tests.hostdevice import HostDevice
@@ -77,6 +78,21 @@ def arr(y: object) -> np.ndarray:
     if not isinstance(y, np.ndarray):
         raise AssertionError(f"expected one array, got {type(y).__name__}")
     return y
+
+
+def count_slot_answers(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
+    """Count the requests that clients complete from their slot headers (``Receiver.answered_in_slot``);
+    returns the count's reader."""
+    count = [0]
+    real = Receiver.answered_in_slot
+
+    def counted(self: Receiver, slot: int) -> bool:
+        got = real(self, slot)
+        count[0] += got
+        return got
+
+    monkeypatch.setattr(Receiver, "answered_in_slot", counted)
+    return lambda: count[0]
 
 
 SESSIONS = "default_slots = 8\ndefault_max_items = 16"

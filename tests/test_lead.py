@@ -13,8 +13,8 @@ import pytest
 from shmbroker.client import Client, WorkerDied
 from shmbroker.client.client import Outputs
 from shmbroker.client.errors import ShmBrokerError
-from shmbroker.client.receiving import SLOT_ANSWERS, Receiver
-from tests.conftest import RunningBroker, arr
+from shmbroker.client.receiving import SLOT_ANSWERS
+from tests.conftest import RunningBroker, arr, count_slot_answers
 from tests.models import direct
 
 
@@ -115,16 +115,7 @@ def test_worker_killed_while_a_caller_waits_in_infer(process_broker: RunningBrok
 def test_infer_reads_answers_from_the_slot_header_and_skips_their_late_done(
         broker: RunningBroker, monkeypatch: pytest.MonkeyPatch) -> None:
     """A spinning caller completes from the slot header; the DONE message that follows completes nothing else."""
-    from_header = 0
-    real = Receiver.answered_in_slot
-
-    def counted(self: Receiver, slot: int) -> bool:
-        nonlocal from_header
-        got = real(self, slot)
-        from_header += got
-        return got
-
-    monkeypatch.setattr(Receiver, "answered_in_slot", counted)
+    from_header = count_slot_answers(monkeypatch)
     rng = np.random.default_rng(11)
     with Client(spin_us=200_000, slots=2) as c:  # two slots: each is reused while its late DONE may be on the way
         for _ in range(300):
@@ -134,5 +125,5 @@ def test_infer_reads_answers_from_the_slot_header_and_skips_their_late_done(
         futs = [c.submit("tiny", x) for x in xs]  # the IO thread receives these, behind any late DONEs
         for f, x in zip(futs, xs, strict=True):
             np.testing.assert_allclose(arr(f.result(20)), direct("tiny", x), rtol=0, atol=1e-5)
-    assert from_header > 0
+    assert from_header() > 0
 

@@ -14,11 +14,13 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.client import Client, RequestTimeout, ShmBrokerError
-from shmbroker.client.receiving import IO_SPIN_REACH
-from tests.conftest import RunningBroker
+from shmbroker.client.receiving import IO_SPIN_REACH, SLOT_ANSWERS
+from tests.conftest import RunningBroker, arr, count_slot_answers
+from tests.models import direct
 
 Outcome = tuple[object, ShmBrokerError | None]
 
@@ -131,3 +133,35 @@ def test_the_io_thread_sleeps_while_answers_come_slower_than_its_spin_reach(brok
         _chain(c, "nsfw", x, 20)
         share = (_thread_cpu_s(c._receiver.thread) - before) / (time.monotonic() - t0)
     assert share < 0.08, f"the IO thread used {share:.0%} of a core waiting for answers {gap * 1e3:.1f} ms apart"
+
+
+@pytest.mark.skipif(not SLOT_ANSWERS, reason="answers are read from the slot header only on x86-64 (TSO)")
+def test_a_callback_chain_reads_answers_from_the_slot_header_and_skips_their_late_done(
+        broker: RunningBroker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spinning IO thread completes a lone request from its slot header; the DONE message that follows,
+    which may find the slot holding the next request, completes nothing."""
+    from_header = count_slot_answers(monkeypatch)
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((1, 256), dtype=np.float32) for _ in range(300)]
+    outs: list[np.ndarray] = []
+    errors: list[ShmBrokerError] = []
+    done = threading.Event()
+    with Client(spin_us=200_000, slots=2) as c:  # two slots: each is reused while its late DONE may be on the way
+
+        def on_done(out: object, err: ShmBrokerError | None) -> None:
+            if err is not None:
+                errors.append(err)
+                done.set()
+                return
+            outs.append(arr(out).copy())
+            if len(outs) < len(xs):
+                c.call("tiny", xs[len(outs)], on_done)
+            else:
+                done.set()
+
+        c.call("tiny", xs[0], on_done)
+        assert done.wait(60), f"{len(outs)} of {len(xs)} answers"
+    assert not errors, errors
+    for x, y in zip(xs, outs, strict=True):
+        np.testing.assert_allclose(y, direct("tiny", x), rtol=0, atol=1e-5)
+    assert from_header() > 0
