@@ -9,7 +9,9 @@ waits for no thread's wake-up; (2) answer the expired;
 (3) gather: async H2D of each request from its registered ring slot straight into its rows of the slot's
 device input buffer; (4) enqueue the engine on the slot's stream, behind the previous batch's compute while
 that one still runs (``serial_compute``); (5) async D2H of each request's rows straight into its own ring
-slot; (6) record the end event and hand the slot to the completion thread.
+slot; (6) record the end event and hand the slot to the completion thread (a lone short batch that the
+spinning intake thread launched stays with it: it polls the end in its spin and answers the batch itself,
+``end_seen``, until it stops spinning or another batch launches).
 Completion thread: (7) wait for each batch's end event in launch order (polling a lone short batch's,
 sleeping in the driver on any other), mark its slots DONE and send DONE (``runner.complete_ok``, the same
 code the CPU runner uses), return the stream slot, feed the stage histograms.
@@ -86,6 +88,12 @@ class PipelineRunner(BatchRunner):
         self._launched: queue.SimpleQueue[StreamSlot | None] = queue.SimpleQueue()
         self._completer = threading.Thread(target=self._complete_loop, name=f"complete-{model.name}", daemon=True)
         self._launching = threading.Lock()  # one launch at a time: the runner thread's or the intake's
+        # A lone batch that the intake thread launched and whose end it polls while it spins for the next
+        # request (end_seen): one spinning thread in the worker, not two taking the GIL from each other
+        # (bench/RESULTS.md#a-lone-request-on-the-h200). Any other launch hands it to the completion thread
+        # first, so batches still complete in launch order.
+        self._watched: StreamSlot | None = None
+        self._watch_lock = threading.Lock()
         self.serial_compute = policy.serial_compute
         # while the device is busy, a batch that is not full grows until the device is about to need it
         # with early copies, a batch opened while the device computes is copied in as its requests come (_fill)
@@ -116,9 +124,10 @@ class PipelineRunner(BatchRunner):
         large batches would stall intake, and the runner thread's wake-up is hidden behind running batches."""
         return self.batcher.running == 0
 
-    def try_inline(self) -> bool:
+    def try_inline(self, watch: bool = False) -> bool:
         """Launch a due batch from the caller's (intake) thread while the device is idle and a stream slot free;
-        otherwise leave it to the runner thread (woken here)."""
+        otherwise leave it to the runner thread (woken here). ``watch``: the caller polls the end of a lone
+        batch expected within ``POLL_END_MAX_MS`` (``end_seen``) until it calls ``unwatch``."""
         if self.batcher.running or not self._launching.acquire(blocking=False):
             self.batcher.kick()
             return False
@@ -134,7 +143,7 @@ class PipelineRunner(BatchRunner):
                 self.batcher.kick()  # queued but not due: the runner waits out max_queue_delay_us
                 return False
             self._use_device()
-            self._launch(slot, take)
+            self._launch(slot, take, watch)
             return True
         finally:
             self._launching.release()
@@ -155,6 +164,7 @@ class PipelineRunner(BatchRunner):
         left = self.batcher.close()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self.unwatch()
         self._launched.put(None)
         if self._completer.is_alive():
             self._completer.join(timeout=30)
@@ -242,7 +252,7 @@ class PipelineRunner(BatchRunner):
             return
         self._launched_batch(slot, works, rows, opened, issuing, filled=True)
 
-    def _launch(self, slot: StreamSlot, take: Take[Work]) -> None:
+    def _launch(self, slot: StreamSlot, take: Take[Work], watch: bool = False) -> None:
         if not self._opened(slot, take):
             return
         now = time.monotonic()
@@ -255,7 +265,7 @@ class PipelineRunner(BatchRunner):
         except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
             self._abandon(slot, works, exc)
             return
-        self._launched_batch(slot, works, rows, now, now, filled=False)
+        self._launched_batch(slot, works, rows, now, now, filled=False, watch=watch)
 
     def _opened(self, slot: StreamSlot, take: Take[Work]) -> bool:
         """(2) Answer the take's timed-out requests; whether a batch is left (if not, the slot goes back)."""
@@ -271,9 +281,10 @@ class PipelineRunner(BatchRunner):
         self.stages["queue"].add_all([(now - w.enqueued) * 1e6 for w in works])
 
     def _launched_batch(self, slot: StreamSlot, works: list[Work], rows: int, opened: float, issuing: float, *,
-                        filled: bool) -> None:
-        """The batch is queued on the device: into the plan, and to the completion thread. ``filled``: its rows
-        were copied as they came (``_fill``)."""
+                        filled: bool, watch: bool = False) -> None:
+        """The batch is queued on the device: into the plan, and to the completion thread, or watched by the
+        intake thread (``watch`` and a lone short batch). ``filled``: its rows were copied as they came
+        (``_fill``)."""
         slot.filled = filled
         slot.works = works
         slot.rows = rows
@@ -284,7 +295,45 @@ class PipelineRunner(BatchRunner):
             slot.expected_s, hold = self.plan.launched(issued, rows)
             self.batcher.hold(hold)
         self.counters.batch(rows)
+        if watch and self._lone_short_ms(rows) is not None:
+            with self._watch_lock:
+                self._watched = slot
+            return
+        self.unwatch()  # first: the completion thread takes batches in launch order
         self._launched.put(slot)
+
+    def end_seen(self) -> bool:
+        """For the intake thread's spin: answer the watched batch if the device has finished it (True)."""
+        slot = self._watched
+        if slot is None:
+            return False
+        try:
+            if not slot.end.query():
+                return False
+        except cuda.CudaError:
+            self.unwatch()  # the completion thread's wait reports the error and fails the batch
+            return False
+        with self._watch_lock:
+            if self._watched is not slot:
+                return False  # handed to the completion thread meanwhile
+            self._watched = None
+        self._complete(slot, ended=True)
+        return True
+
+    def unwatch(self) -> None:
+        """Hand the watched batch, if any, to the completion thread."""
+        with self._watch_lock:
+            slot, self._watched = self._watched, None
+        if slot is not None:
+            self._launched.put(slot)
+
+    def _lone_short_ms(self, rows: int) -> float | None:
+        """The expected device time of a batch of ``rows`` that runs alone and within ``POLL_END_MAX_MS``;
+        None for any other."""
+        expected = self.expected_ms(rows)
+        if self.batcher.running != 1 or expected is None or expected > POLL_END_MAX_MS:
+            return None
+        return expected
 
     def _copy_in(self, slot: StreamSlot, works: list[Work], row: int) -> int:
         """Queue the H2D of ``works`` into rows from ``row`` of the slot's input buffers; returns the next row."""
@@ -336,26 +385,31 @@ class PipelineRunner(BatchRunner):
             slot = self._launched.get()  # (7) in launch order
             if slot is None:
                 return
-            works, slot.works = slot.works, []
+            self._complete(slot, ended=False)
+
+    def _complete(self, slot: StreamSlot, *, ended: bool) -> None:
+        """Answer the slot's batch once it has ended on the device (waiting for that unless ``ended``), free
+        the slot, record its stages."""
+        works, slot.works = slot.works, []
+        if not ended:
             try:
                 self._wait_end(slot)
             except cuda.CudaError as exc:
                 self.fail(works, exc)
                 self._finished(slot)
-                continue
-            complete_ok(self.codec, self.counters, works)  # answers first, statistics after
-            answered = time.monotonic()
-            stages, launched = self._stage_ms(slot), slot.launched  # read before the slot is reused
-            self._finished(slot, None if stages is None else stages[0])
-            self._record_stages(stages, answered - launched)
+                return
+        complete_ok(self.codec, self.counters, works)  # answers first, statistics after
+        answered = time.monotonic()
+        stages, launched = self._stage_ms(slot), slot.launched  # read before the slot is reused
+        self._finished(slot, None if stages is None else stages[0])
+        self._record_stages(stages, answered - launched)
 
     def _wait_end(self, slot: StreamSlot) -> None:
         """Return once the slot's batch has ended on the device. A lone batch expected within
         ``POLL_END_MAX_MS`` is polled, giving the core away between polls, for up to twice its expected time;
         any other (or one that overruns) waits asleep in the driver."""
-        expected = self.expected_ms(slot.rows)
-        if (self.batcher.running == 1 and expected is not None and expected <= POLL_END_MAX_MS
-                and _poll(slot.end, slot.launched + 2 * expected / 1e3 + 1e-3)):
+        expected = self._lone_short_ms(slot.rows)
+        if expected is not None and _poll(slot.end, slot.launched + 2 * expected / 1e3 + 1e-3):
             return
         slot.end.synchronize()
 

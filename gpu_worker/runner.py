@@ -99,11 +99,12 @@ class BatchRunner:
     def warm_up(self) -> None:
         """Prepare the runner's own resources after the engine's warm-up (the GPU pipeline's streams)."""
 
-    def try_inline(self) -> bool:
+    def try_inline(self, watch: bool = False) -> bool:
         """Run a due batch on the caller's (intake) thread when the model is cheap and the runner idle.
 
         For a model whose batches take less than ``INLINE_BELOW_S``, handing the batch to the runner thread
         costs more than running it; a slow model is always left to its runner so intake never stalls.
+        ``watch``: the caller will poll ``end_seen`` and call ``unwatch`` (only a device runner keeps one).
         """
         if not self.cheap or not self._busy.acquire(blocking=False):
             self.batcher.kick()
@@ -117,6 +118,15 @@ class BatchRunner:
             return True
         finally:
             self._busy.release()
+
+    def end_seen(self) -> bool:
+        """For the intake thread's spin: answer the watched batch if it has ended (True). A device runner
+        watches a lone batch launched with ``try_inline(watch=True)`` (gpu_worker.pipeline); a CPU runner's
+        inline batch is answered before ``try_inline`` returns."""
+        return False
+
+    def unwatch(self) -> None:
+        """The intake thread stops spinning: a batch it watched goes to the completion thread."""
 
     def note_run_time(self, seconds: float) -> None:
         """Feed the moving average of the engine's run time (warm-up primes it); a sample counts at most

@@ -55,6 +55,7 @@ class Worker:
         self.sessions: dict[int, WorkerSession] = {}
         self._detaching: set[int] = set()
         self._watch: Watch | None = None  # where the spin looks for a hinted request (gpu_worker.hints)
+        self._watching = False  # a runner may hold a lone device batch whose end the spin polls (_spin)
         self._next_sweep = 0.0
         self._badlog = RateLimitedLog(log)
         # SUBMITs dropped without an answer, by P.DropReason: STATS shows them, so a client whose requests are
@@ -112,17 +113,22 @@ class Worker:
         parent = os.getppid()
         # Only a worker process spins: in thread mode the loop shares the broker's GIL.
         spin = SpinPolicy(self.cfg.worker.spin_us * 1000 if self.cfg.broker.worker_mode == "process" else 0)
+        watch = spin.spin_ns > 0  # a spinning loop also polls the end of the lone batch it launched
         while not stop.is_set():
-            hinted = self._spin(spin.until) if spin.until else False  # (1)
+            hinted = self._spin(spin) if spin.until else False  # (1)
+            if self._watching:
+                self._unwatch()  # the completion threads take over before this loop sleeps or admits
             if hinted:  # its caller is waiting: run it (3) before the poll, which costs tens of us on a cold core
                 spin.arrived(time.perf_counter_ns())
-                if self._run_inline():
+                if self._run_inline(watch):
                     spin.waiting(time.perf_counter_ns())
             events = dict(poller.poll(0 if hinted else POLL_MS))  # (2)
             if self._data in events:
                 spin.arrived(time.perf_counter_ns())
+                if self._watching:
+                    self._unwatch()
                 self._drain_data()
-                if self._run_inline():  # (3) not after slow models: their runner threads need the cores
+                if self._run_inline(watch):  # (3) not after slow models: their runner threads need the cores
                     spin.waiting(time.perf_counter_ns())
             if self._ctl in events and not self._drain_control():  # (4)
                 return
@@ -132,31 +138,46 @@ class Worker:
                 log.error("the broker (pid %d) is gone; worker %d exits", parent, self.worker_id)
                 return
 
-    def _run_inline(self) -> int:
-        """Run due batches of cheap models on this thread (up to INLINE_BATCHES each); returns how many ran."""
+    def _run_inline(self, watch: bool) -> int:
+        """Run due batches of cheap models on this thread (up to INLINE_BATCHES each); returns how many ran.
+        ``watch``: this loop spins next, polling the end of a lone device batch it launched (``_spin``)."""
         ran = 0
         for m in self.models.values():
             runner = m.runner
             for _ in range(INLINE_BATCHES):
-                if not len(runner.batcher) or not runner.try_inline():  # an empty queue needs no lock
+                if not len(runner.batcher) or not runner.try_inline(watch):  # an empty queue needs no lock
                     break
                 ran += 1
             else:
                 runner.batcher.kick()  # still more due: the runner thread takes the rest
+        self._watching = self._watching or (watch and ran > 0)
         return ran
 
-    def _spin(self, until_ns: int) -> bool:
-        """Poll the data socket without sleeping until a message is there or ``until_ns`` passes.
+    def _ends_seen(self) -> bool:
+        """Answer the watched lone batches that have ended (BatchRunner.end_seen); True if any was."""
+        return any([m.runner.end_seen() for m in self.models.values()])
+
+    def _unwatch(self) -> None:
+        for m in self.models.values():
+            m.runner.unwatch()
+        self._watching = False
+
+    def _spin(self, spin: SpinPolicy) -> bool:
+        """Poll the data socket without sleeping until a message is there or ``spin.until`` passes.
 
         Why: on small and virtual machines a core woken from sleep runs the next request two to three
         times slower (cold caches, a slow wake-up), which dominates the round trip of cheap models.
-        ``SpinPolicy`` sets ``until_ns``: at most ``worker.spin_us`` after an inline batch, and only while
+        ``SpinPolicy`` sets ``until``: at most ``worker.spin_us`` after an inline batch, and only while
         most requests came within that window, so an idle or busy machine's worker sleeps. It also
-        admits a request hinted in the watched slot (gpu_worker.hints); returns whether it did.
+        answers a lone device batch that it launched once that ends, and spins on from there, since the
+        next request comes a round trip after its answer; and it admits a request hinted in the watched
+        slot (gpu_worker.hints); returns whether it did.
         """
         clock = time.perf_counter_ns
         ready = self._data_ready.poll
-        while clock() < until_ns:
+        while clock() < spin.until:
+            if self._watching and self._ends_seen():
+                spin.waiting(clock())
             if ready(0):
                 return False
             if self._watch is not None and self._take_hint(self._watch):
@@ -170,7 +191,11 @@ class Worker:
     def _take_hint(self, w: Watch) -> bool:
         """Admit the request hinted in the watched slot, as if its SUBMIT had come; its SUBMIT is dropped later."""
         body = hinted_submit(w, self.worker_id)
-        if body is None or not self._fast_submit(body):
+        if body is None:
+            return False
+        if self._watching:
+            self._unwatch()  # before any admission: see _serve
+        if not self._fast_submit(body):
             return False
         w.session.note_hinted(w.slot, w.generation)
         w.session.segment.clear_hint(w.slot)  # the client, if it still waits to see this, sends no SUBMIT

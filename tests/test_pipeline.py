@@ -177,6 +177,62 @@ def test_requests_one_at_a_time_run_on_one_stream_slot(host_device: HostDevice,
     assert len(used) == 6 and len(set(used)) == 1, f"lone requests went round the stream slots: {used}"
 
 
+def _watched_lone(runner: PipelineRunner, ws: WorkerSession, slot: int) -> np.ndarray:
+    """Queue one request in ``slot`` and launch it from this thread, watched, as the spinning intake thread does."""
+    x = np.full((1, 4), float(slot + 1), np.float32)
+    runner.batcher.put(ring_work(ws, slot, x), wake=not runner.cheap)
+    if not runner.try_inline(watch=True):
+        raise AssertionError(f"request {slot} did not launch on the idle device")
+    return x
+
+
+def test_a_watched_lone_batch_is_answered_by_the_thread_that_sees_its_end(
+        host_device: HostDevice, session: tuple[WorkerSession, threading.Event]) -> None:
+    ws, _ = session
+    host_device.row_s = 0.0005  # a batch short enough to be watched (POLL_END_MAX_MS)
+    runner, _, _ = _runner(host_device, 2)
+    runner.start()
+    try:
+        x = _watched_lone(runner, ws, 0)
+        wait_until(runner.end_seen, "the watched batch was answered by the thread that polled its end")
+        assert _answered(ws, 0)
+    finally:
+        runner.stop()
+    np.testing.assert_array_equal(ws.segment.output_view(0, 0, np.dtype("float32"), (1, 4)), 2 * x)
+    assert runner.stages["answer"].snapshot().count == 1
+
+
+def test_watched_batches_reach_the_completion_thread_on_the_next_launch_on_unwatch_and_on_stop(
+        host_device: HostDevice, session: tuple[WorkerSession, threading.Event]) -> None:
+    """Nobody polls the ends here: a watched batch is answered only once a later launch, ``unwatch`` or the
+    stop hands it over."""
+    ws, _ = session
+    host_device.row_s = 0.0005
+    runner, _, _ = _runner(host_device, 2)
+    runner.start()
+    try:
+        xs = [_watched_lone(runner, ws, 0)]
+        wait_until(functools.partial(_device_idle, host_device), "the watched batch ended on the device")
+        assert not _answered(ws, 0), "a watched batch was answered with nobody polling its end"
+        xs.append(np.full((1, 4), 2.0, np.float32))
+        runner.batcher.put(ring_work(ws, 1, xs[1]), wake=not runner.cheap)
+        assert not runner.try_inline(watch=True)  # the watched batch still counts as running: the runner launches
+        wait_until(lambda: not {0, 1} & ws.in_flight, "both batches answered by the completion thread")
+        xs.append(_watched_lone(runner, ws, 2))
+        runner.unwatch()
+        wait_until(functools.partial(_answered, ws, 2), "the unwatched batch answered")
+        xs.append(_watched_lone(runner, ws, 3))
+    finally:
+        runner.stop()
+    assert not {0, 1, 2, 3} & ws.in_flight, f"{sorted({0, 1, 2, 3} & ws.in_flight)} were never answered"
+    for slot, x in enumerate(xs):
+        np.testing.assert_array_equal(ws.segment.output_view(slot, 0, np.dtype("float32"), (1, 4)), 2 * x)
+
+
+def _device_idle(device: HostDevice) -> bool:
+    return all(time.monotonic() >= s.at for s in list(device.streams.values()))
+
+
 def test_a_stop_answers_every_request_in_flight(host_device: HostDevice,
                                                session: tuple[WorkerSession, threading.Event]) -> None:
     ws, all_answered = session
