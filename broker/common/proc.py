@@ -51,9 +51,19 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 
 def stop_on_signals(stop: threading.Event) -> None:
-    """SIGTERM and SIGINT set ``stop``: the serving loop notices and shuts down cleanly."""
+    """SIGTERM and SIGINT set ``stop``: the serving loop notices and shuts down cleanly. Signals after the
+    first do nothing."""
+    stopping = False
 
     def handler(signum: int, _frame: FrameType | None) -> None:
+        # A handler runs on the main thread between any two bytecodes, so a signal that comes while an earlier
+        # one's handler is inside ``stop.set()`` runs this again there, and a second ``set()`` would wait
+        # forever for the Event's lock, held by the frame it interrupted. Bursts happen: a process's
+        # parent-death signal comes once for each of the dead parent's threads as they exit.
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
         logging.getLogger(__name__).info("received %s, stopping", signal.Signals(signum).name)
         stop.set()
 
