@@ -74,6 +74,8 @@ class PipelineRunner(BatchRunner):
     """A device engine's runner. Invariant: a stream slot is free, launched (in ``_launched``) or being
     completed; its requests are answered exactly once, by the completion thread or by ``_abandon``."""
 
+    watches_ends = True
+
     def __init__(self, model: ModelView, engine: DeviceEngine, batcher: Batcher[Work], counters: ModelCounters,
                  streams: int, batched_copies: bool = BATCHED_COPIES, policy: GpuPolicy = DEFAULT_POLICY) -> None:
         super().__init__(model, engine, batcher, counters)

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import ClassVar
 
 import numpy as np
 
@@ -39,6 +40,9 @@ class BatchRunner:
 
     Contract: every Work taken from the batcher is answered exactly once (``complete_ok``, ``reply``).
     """
+
+    # whether ``try_inline(watch=True)`` may leave a batch for the caller to poll (``end_seen``)
+    watches_ends: ClassVar[bool] = False
 
     def __init__(self, model: ModelView, engine: Engine, batcher: Batcher[Work], counters: ModelCounters) -> None:
         self.model = model

@@ -113,7 +113,8 @@ class Worker:
         parent = os.getppid()
         # Only a worker process spins: in thread mode the loop shares the broker's GIL.
         spin = SpinPolicy(self.cfg.worker.spin_us * 1000 if self.cfg.broker.worker_mode == "process" else 0)
-        watch = spin.spin_ns > 0  # a spinning loop also polls the end of the lone batch it launched
+        # a spinning loop also polls the end of a lone device batch it launched
+        watch = spin.spin_ns > 0 and any(m.runner.watches_ends for m in self.models.values())
         while not stop.is_set():
             hinted = self._spin(spin) if spin.until else False  # (1)
             if self._watching:
