@@ -118,7 +118,8 @@ class Worker:
         while not stop.is_set():
             hinted = self._spin(spin) if spin.until else False  # (1)
             if self._watching:
-                self._unwatch()  # the completion threads take over before this loop sleeps or admits
+                self._unwatch()  # the completion threads take over before this loop sleeps (launch order
+                # needs nothing here: any other launch hands the watched batch over first)
             if hinted:  # its caller is waiting: run it (3) before the poll, which costs tens of us on a cold core
                 spin.arrived(time.perf_counter_ns())
                 if self._run_inline(watch):
@@ -126,8 +127,6 @@ class Worker:
             events = dict(poller.poll(0 if hinted else POLL_MS))  # (2)
             if self._data in events:
                 spin.arrived(time.perf_counter_ns())
-                if self._watching:
-                    self._unwatch()
                 self._drain_data()
                 if self._run_inline(watch):  # (3) not after slow models: their runner threads need the cores
                     spin.waiting(time.perf_counter_ns())
@@ -156,7 +155,10 @@ class Worker:
 
     def _ends_seen(self) -> bool:
         """Answer the watched lone batches that have ended (BatchRunner.end_seen); True if any was."""
-        return any([m.runner.end_seen() for m in self.models.values()])
+        seen = False
+        for m in self.models.values():
+            seen = m.runner.end_seen() or seen
+        return seen
 
     def _unwatch(self) -> None:
         for m in self.models.values():
@@ -192,11 +194,7 @@ class Worker:
     def _take_hint(self, w: Watch) -> bool:
         """Admit the request hinted in the watched slot, as if its SUBMIT had come; its SUBMIT is dropped later."""
         body = hinted_submit(w, self.worker_id)
-        if body is None:
-            return False
-        if self._watching:
-            self._unwatch()  # before any admission: see _serve
-        if not self._fast_submit(body):
+        if body is None or not self._fast_submit(body):
             return False
         w.session.note_hinted(w.slot, w.generation)
         w.session.segment.clear_hint(w.slot)  # the client, if it still waits to see this, sends no SUBMIT
