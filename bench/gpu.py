@@ -39,12 +39,14 @@ class Settings:
     in_flight: int
     classic: bool = True
     api: str = "call"
+    client_spin_us: int = 1000
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Settings:
         quick = bool(args.quick)
         duration = args.duration if args.duration is not None else (2.0 if quick else 5.0)
-        return cls(duration, 0.5 if quick else 1.0, args.processes, args.in_flight, api=getattr(args, "api", "call"))
+        return cls(duration, 0.5 if quick else 1.0, args.processes, args.in_flight, api=getattr(args, "api", "call"),
+                   client_spin_us=getattr(args, "client_spin_us", 1000))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -56,6 +58,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="each window (default 5)")
     ap.add_argument("--processes", type=int, default=16, help="client processes in (b) and (c) (default 16)")
     ap.add_argument("--in-flight", type=int, default=8, help="requests each (c) client keeps in flight (default 8)")
+    ap.add_argument("--client-spin-us", type=int, default=1000, metavar="US",
+                    help="(c)'s clients' Client(spin_us=...): how long their threads spin for answers (default "
+                         "1000; 0: never), to see what spinning clients take from the worker's cores")
     ap.add_argument("--api", choices=("call", "infer", "request"), default="call",
                     help="(c)'s clients: Client.call chains (default), or threads calling Client.infer in a loop, "
                          "as a synchronous application does, or threads running zero-copy requests "
@@ -163,7 +168,7 @@ class GpuBench:
         with BrokerProcess(col.path, run_dir, self.progress) as b:
             self.progress.note(f"broker ready in {b.startup_s:.1f} s")
             specs = self.specs({"runtime_dir": str(b.runtime_dir), "model": MODEL, "in_flight": self.s.in_flight,
-                                "api": self.s.api, "warmup_requests": 20})
+                                "api": self.s.api, "spin_us": self.s.client_spin_us, "warmup_requests": 20})
             sampler = gpu_load.Sampler(self.device, b.runtime_dir)
             try:
                 out = self._group(gpu_load.client, specs, sampler)
@@ -181,7 +186,8 @@ class GpuBench:
         if not out["shutdown"]["shm_clean"]:
             self.failures.append(f"broker ({col.engine}): unclean shutdown {out['shutdown']}")
         return {**out, "clients": self.s.processes, "in_flight_per_client": self.s.in_flight, "api": self.s.api,
-                "max_batch": mc.max_batch, "max_queue_delay_ms": mc.max_queue_delay_us / 1e3}
+                "client_spin_us": self.s.client_spin_us, "max_batch": mc.max_batch,
+                "max_queue_delay_ms": mc.max_queue_delay_us / 1e3}
 
 
 def _client_cpu_us(results: list[Figures]) -> float | None:

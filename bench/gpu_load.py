@@ -147,7 +147,8 @@ class _InPlace(_Loops):
 def client(spec: dict[str, Any], sync: Sync) -> Figures:
     """One application process: its own session, ``in_flight`` batch-1 requests in flight for the window."""
     model, in_flight = spec["model"], spec["in_flight"]
-    with Client(spec["runtime_dir"], slots=2 * in_flight, name=f"bench-gpu-{spec['index']}") as c:
+    with Client(spec["runtime_dir"], slots=2 * in_flight, name=f"bench-gpu-{spec['index']}",
+                spin_us=spec.get("spin_us", 1000)) as c:
         x = np.random.default_rng(spec["seed"]).random(tuple(spec["shape"]), dtype=np.float32)
         for _ in range(spec["warmup_requests"]):
             c.infer(model, x)

@@ -110,8 +110,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--streams", type=int, default=0, metavar="N", help="--gpu: the model's stream slots in (c)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="model_options",
                     help="--gpu: a key of the model's section in (c), or SECTION.KEY of another (repeatable)")
-    ap.add_argument("--api", choices=("call", "infer"), default="call",
-                    help="--gpu: (c)'s clients, Client.call chains (default) or threads calling Client.infer")
+    ap.add_argument("--api", choices=("call", "infer", "request"), default="call",
+                    help="--gpu: (c)'s clients, Client.call chains (default), threads calling Client.infer, or "
+                         "threads running zero-copy requests")
+    ap.add_argument("--client-spin-us", type=int, default=1000, metavar="US",
+                    help="--gpu: (c)'s clients' Client(spin_us=...) (default 1000; 0: never spin)")
     ap.add_argument("--only", default="copies,limit,classic,broker", metavar="PHASES",
                     help="--gpu: a subset of copies,limit,classic,broker")
 

@@ -15,6 +15,8 @@ def test_the_api_option_defaults_to_callbacks_and_takes_infer_and_request() -> N
     assert gpu.Settings.of(ap.parse_args([])).api == "call"
     assert gpu.Settings.of(ap.parse_args(["--api", "infer", "--quick"])) == gpu.Settings(2.0, 0.5, 16, 8, api="infer")
     assert gpu.Settings.of(ap.parse_args(["--api", "request"])).api == "request"
+    assert gpu.Settings.of(ap.parse_args([])).client_spin_us == 1000
+    assert gpu.Settings.of(ap.parse_args(["--client-spin-us", "0"])).client_spin_us == 0
     with pytest.raises(SystemExit):
         ap.parse_args(["--api", "submit"])
 
@@ -28,5 +30,8 @@ def test_shmbroker_bench_gpu_takes_every_option_of_the_gpu_bench() -> None:
     gpu.add_arguments(own)
     missing = {a.dest for a in own._actions} - {a.dest for a in cli._actions}
     assert not missing, f"shmbroker bench lacks the GPU bench's options {sorted(missing)}"
-    args = cli.parse_args(["--gpu", "--api", "infer", "--streams", "2", "--set", "trim_to_sizes=false"])
-    assert gpu.Settings.of(args).api == "infer" and args.streams == 2 and args.model_options == ["trim_to_sizes=false"]
+    args = cli.parse_args(["--gpu", "--api", "request", "--streams", "2", "--set", "trim_to_sizes=false",
+                           "--client-spin-us", "0"])
+    settings = gpu.Settings.of(args)
+    assert settings.api == "request" and settings.client_spin_us == 0
+    assert args.streams == 2 and args.model_options == ["trim_to_sizes=false"]
