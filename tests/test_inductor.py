@@ -41,6 +41,19 @@ def check(m: dict[str, Any]) -> None:
     check_package_meta(m, where="m.pt2", facts=H200)
 
 
+def test_the_engine_shares_the_processs_cxx_runtime_before_a_package_loads() -> None:
+    """A wrapper library with its own static C++ runtime binds the locale to the process's libstdc++ only when
+    that one is in the global symbol scope: after share_cxx_runtime() a bare dlsym finds it."""
+    code = ("import ctypes\n"
+            "from shmbroker.gpu_worker.engines.inductor import share_cxx_runtime\n"
+            "def found():\n"
+            "    return hasattr(ctypes.CDLL(None), '_ZNSt6locale7classicEv')\n"
+            "before = found(); share_cxx_runtime(); share_cxx_runtime()\n"
+            "print(before, found())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
+
+
 def test_the_sidecar_of_buckets_and_of_a_dynamic_batch() -> None:
     m = meta()
     assert m["format"] == FORMAT and m["precision"] == "fp16" and m["torch_version"] == "2.11.0+cu130"

@@ -12,7 +12,10 @@ capture a run) and replays one CUDA graph per bucket.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
+import os
 import re
 import threading
 from collections.abc import Sequence
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "shmbroker-inductor/1"
 REBUILD = "rebuild it on this machine (shmbroker build --engine inductor)"
+CXX_RUNTIME = "libstdc++.so.6"
 
 
 def runtime_facts(device: int) -> dict[str, str]:
@@ -104,6 +108,22 @@ def _batch_plan(meta: dict[str, Any], where: str) -> tuple[str, dict[int, str]]:
     return mode, models
 
 
+@functools.cache
+def share_cxx_runtime() -> None:
+    """Put the process's ``libstdc++.so.6`` in the global symbol scope, once, before a package loads.
+
+    A wrapper library linked against a static C++ runtime (the linker takes a ``libstdc++.a`` from its search
+    path when it finds no ``libstdc++.so``) exports that copy; ``import torch`` loads ``libstdc++.so.6`` outside
+    the global scope, so the wrapper binds most of the runtime to its own copy but the GNU-unique symbols (the
+    locale facet ids) to the process's, and its ``std::regex`` crashes. With the process's runtime global, the
+    locale and the rest bind to it (bench/RESULTS.md#inductor-packages-on-the-2026-12-05-machine).
+    """
+    try:
+        ctypes.CDLL(CXX_RUNTIME, mode=os.RTLD_GLOBAL)  # the soname: the copy that torch loaded
+    except OSError as exc:  # no shared C++ runtime: a wrapper can only carry its own, and nothing mixes
+        log.debug("no shared C++ runtime to share (%s): %s", CXX_RUNTIME, exc)
+
+
 class InductorEngine:
     """An AOTInductor package on CUDA device ``device``; a DeviceEngine (see base.py) and a GraphedEngine."""
 
@@ -142,6 +162,7 @@ class InductorEngine:
         """A fresh copy of every model of the package on this engine's device, without locks: PyTorch's package
         loader itself, not ``load_pt2``, whose device-information check compiles and loads a test library per
         CPU vector ISA (tens of seconds) to compare fields that the sidecar check already covers."""
+        share_cxx_runtime()
         loader = torch_module()._C._aoti.AOTIModelPackageLoader
         loaded = {}
         for size, name in self._models.items():
