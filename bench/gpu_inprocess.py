@@ -79,7 +79,7 @@ def limit(cfg: Config, model: str, device: int, duration_s: float, progress: Pro
             by_batch[str(b)] = {"runs": n, "ms_per_batch": round(ms / n, 4),
                                 "items_per_s": round(n * b / (ms / 1e3), 1)}
             progress.tick(f"batch {b}: {ms / n:.3f} ms, {n * b / (ms / 1e3):,.0f} images/s")
-        lone = _lone(engine, ctx, stream, end)
+        lone = lone_request(engine, ctx, stream, end)
         progress.tick(f"one request at a time, copies included: p50 {lone['p50_ms']:.3f} ms")
         ctx.close()
         stream.close()
@@ -111,7 +111,7 @@ def limit(cfg: Config, model: str, device: int, duration_s: float, progress: Pro
     }
 
 
-def _lone(engine: DeviceEngine, ctx: DeviceContext, stream: cuda.Stream, end: cuda.Event,
+def lone_request(engine: DeviceEngine, ctx: DeviceContext, stream: cuda.Stream, end: cuda.Event,
           runs: int = LONE_RUNS) -> Figures:
     """One batch-1 request at a time, as an application holding the engine would run it: H2D of its inputs
     from page-locked memory, ``enqueue(1)``, D2H of its outputs, wait for the end; wall-clock per request.

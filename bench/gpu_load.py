@@ -33,7 +33,7 @@ from shmbroker.client import Client, ShmBrokerError
 from shmbroker.gpu_worker.histogram import mean, quantile
 
 
-class _Chains:
+class Chains:
     """``in_flight`` chains; chain i's request was submitted at ``sent[i]``; completions in the window count."""
 
     def __init__(self, client: Client, model: str, x: np.ndarray, t_count: float, t_end: float, n: int) -> None:
@@ -84,7 +84,7 @@ class _Chains:
         return self.drained.wait(timeout)
 
 
-class _Loops(_Chains):
+class Loops(Chains):
     """``in_flight`` threads (the first is the caller's), each calling ``Client.infer`` in a loop, as a
     synchronous application does; a request is timed from the call to its return."""
 
@@ -127,8 +127,8 @@ class _Loops(_Chains):
         return t0, time.perf_counter_ns(), code
 
 
-class _InPlace(_Loops):
-    """As ``_Loops``, with zero-copy requests: the input is written into the held slot before the timing starts,
+class InPlace(Loops):
+    """As ``Loops``, with zero-copy requests: the input is written into the held slot before the timing starts,
     and the outputs are read in place."""
 
     def _one(self) -> tuple[int, int, str]:
@@ -144,6 +144,9 @@ class _InPlace(_Loops):
             return t0 or t, t, exc.code
 
 
+API_LOOPS: dict[str, type[Chains]] = {"call": Chains, "infer": Loops, "request": InPlace}  # by --api
+
+
 def client(spec: dict[str, Any], sync: Sync) -> Figures:
     """One application process: its own session, ``in_flight`` batch-1 requests in flight for the window."""
     model, in_flight = spec["model"], spec["in_flight"]
@@ -155,7 +158,7 @@ def client(spec: dict[str, Any], sync: Sync) -> Figures:
         sync()
         t0 = time.perf_counter()
         w0 = time.monotonic() + spec["warmup_s"]
-        kind = {"infer": _Loops, "request": _InPlace}.get(spec.get("api", "call"), _Chains)
+        kind = API_LOOPS[spec.get("api", "call")]
         chains = kind(c, model, x, t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"], in_flight)
         cpu0 = time.process_time()
         drained = chains.run(spec["warmup_s"] + spec["duration_s"] + 30.0)
