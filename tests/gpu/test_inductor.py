@@ -1,13 +1,15 @@
 """The inductor engine on a GPU: ``shmbroker build --engine inductor`` compiles open-nsfw in fp16 into a package
 of two buckets (1 and 8), the broker serves it to eight client processes at once, each checking its own results
-against fp32 ONNX Runtime on the CPU (1e-2); ``check-precision`` runs the package on real photographs; a package
-from another PyTorch is refused. Skipped where there is no CUDA device (CI)."""
+against fp32 ONNX Runtime on the CPU (1e-2); a fresh process loads and runs it; ``check-precision`` runs the
+package on real photographs; a package from another PyTorch is refused. Skipped where there is no CUDA device
+(CI)."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -97,6 +99,20 @@ def test_check_precision_runs_the_package_on_real_photographs(package: Path, tmp
           f"argmax agreement {entry['argmax_agreement']:.1%}, {entry['rows_per_s']:.0f} rows/s")
     assert entry["rows"] == 48
     assert entry["max_abs_diff"] <= TOL
+
+
+def test_a_fresh_process_loads_and_runs_the_package(package: Path) -> None:
+    """As the worker does, with nothing loaded before it: a wrapper library that carries its own static C++
+    runtime crashes such a process unless the engine shares the process's (share_cxx_runtime)."""
+    code = ("import sys\nimport numpy as np\n"
+            "from shmbroker.gpu_worker.engines.inductor import InductorEngine\n"
+            f"engine = InductorEngine({str(package)!r}, device=0, max_batch=8)\n"
+            "y = engine.run({'input:0': np.zeros((2, 224, 224, 3), np.float32)})\n"
+            "print(y[0].shape, 'onnxruntime' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-3000:]}"
+    assert r.stdout.split() == ["(2,", "2)", "False"], r.stdout
 
 
 @pytest.mark.parametrize(("field", "theirs"), [("torch_version", "2.10.0+cu128"), ("compute_capability", "8.0")])
