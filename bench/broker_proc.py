@@ -138,6 +138,22 @@ class BrokerProcess:
         except FileNotFoundError:
             return "(no log)"
 
+    def renice_workers(self, nice: int) -> list[int]:
+        """Set the nice value of every thread of every process under the broker (its workers) to ``nice``
+        (Linux keeps one per thread); their pids. BenchError when the bench may not (a negative value needs
+        root or CAP_SYS_NICE)."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise BenchError("--worker-nice: the broker is not running")
+        workers = psutil.Process(self.proc.pid).children(recursive=True)
+        try:
+            for w in workers:
+                for t in w.threads():
+                    os.setpriority(os.PRIO_PROCESS, t.id, nice)
+        except PermissionError as exc:
+            raise BenchError(f"--worker-nice {nice}: not permitted ({exc}); a negative value needs root or "
+                             "CAP_SYS_NICE") from exc
+        return [w.pid for w in workers]
+
     def __enter__(self) -> BrokerProcess:
         try:
             self.start()

@@ -40,13 +40,14 @@ class Settings:
     classic: bool = True
     api: str = "call"
     client_spin_us: int = 1000
+    worker_nice: int | None = None
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Settings:
         quick = bool(args.quick)
         duration = args.duration if args.duration is not None else (2.0 if quick else 5.0)
         return cls(duration, 0.5 if quick else 1.0, args.processes, args.in_flight, api=getattr(args, "api", "call"),
-                   client_spin_us=getattr(args, "client_spin_us", 1000))
+                   client_spin_us=getattr(args, "client_spin_us", 1000), worker_nice=getattr(args, "worker_nice", None))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -61,6 +62,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--client-spin-us", type=int, default=1000, metavar="US",
                     help="(c)'s clients' Client(spin_us=...): how long their threads spin for answers (default "
                          "1000; 0: never), to see what spinning clients take from the worker's cores")
+    ap.add_argument("--worker-nice", type=int, default=None, metavar="N",
+                    help="(c): set the broker's workers to nice N once ready (a negative N needs root), to see "
+                         "whether the client processes' CPU use delays the worker's threads")
     ap.add_argument("--api", choices=("call", "infer", "request"), default="call",
                     help="(c)'s clients: Client.call chains (default), or threads calling Client.infer in a loop, "
                          "as a synchronous application does, or threads running zero-copy requests "
@@ -167,6 +171,8 @@ class GpuBench:
         run_dir.mkdir(exist_ok=True)
         with BrokerProcess(col.path, run_dir, self.progress) as b:
             self.progress.note(f"broker ready in {b.startup_s:.1f} s")
+            if self.s.worker_nice is not None:
+                self.progress.note(f"workers {b.renice_workers(self.s.worker_nice)} at nice {self.s.worker_nice}")
             specs = self.specs({"runtime_dir": str(b.runtime_dir), "model": MODEL, "in_flight": self.s.in_flight,
                                 "api": self.s.api, "spin_us": self.s.client_spin_us, "warmup_requests": 20})
             sampler = gpu_load.Sampler(self.device, b.runtime_dir)
@@ -186,7 +192,7 @@ class GpuBench:
         if not out["shutdown"]["shm_clean"]:
             self.failures.append(f"broker ({col.engine}): unclean shutdown {out['shutdown']}")
         return {**out, "clients": self.s.processes, "in_flight_per_client": self.s.in_flight, "api": self.s.api,
-                "client_spin_us": self.s.client_spin_us, "max_batch": mc.max_batch,
+                "client_spin_us": self.s.client_spin_us, "worker_nice": self.s.worker_nice, "max_batch": mc.max_batch,
                 "max_queue_delay_ms": mc.max_queue_delay_us / 1e3}
 
 

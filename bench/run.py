@@ -115,6 +115,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "threads running zero-copy requests")
     ap.add_argument("--client-spin-us", type=int, default=1000, metavar="US",
                     help="--gpu: (c)'s clients' Client(spin_us=...) (default 1000; 0: never spin)")
+    ap.add_argument("--worker-nice", type=int, default=None, metavar="N",
+                    help="--gpu: (c)'s workers at nice N once ready (a negative N needs root)")
     ap.add_argument("--only", default="copies,limit,classic,broker", metavar="PHASES",
                     help="--gpu: a subset of copies,limit,classic,broker")
 

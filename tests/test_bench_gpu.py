@@ -17,6 +17,8 @@ def test_the_api_option_defaults_to_callbacks_and_takes_infer_and_request() -> N
     assert gpu.Settings.of(ap.parse_args(["--api", "request"])).api == "request"
     assert gpu.Settings.of(ap.parse_args([])).client_spin_us == 1000
     assert gpu.Settings.of(ap.parse_args(["--client-spin-us", "0"])).client_spin_us == 0
+    assert gpu.Settings.of(ap.parse_args([])).worker_nice is None
+    assert gpu.Settings.of(ap.parse_args(["--worker-nice", "-10"])).worker_nice == -10
     with pytest.raises(SystemExit):
         ap.parse_args(["--api", "submit"])
 
