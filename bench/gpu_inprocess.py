@@ -65,17 +65,9 @@ def limit(cfg: Config, model: str, device: int, duration_s: float, progress: Pro
     by_batch: dict[str, Figures] = {}
     try:
         for b in sizes:
-            def run(n: int, b: int = b) -> float:
-                start.record(stream)
-                for _ in range(n):
-                    ctx.enqueue(b)
-                end.record(stream)
-                end.synchronize()
-                return cuda.elapsed_ms(start, end)
-
-            one = run(5) / 5  # warm, and how many fit the time share
+            one = back_to_back_ms(ctx, stream, start, end, b, 5) / 5  # warm, and how many fit the time share
             n = max(20, int(duration_s / len(sizes) * 1e3 / max(one, 1e-3)))
-            ms = run(n)
+            ms = back_to_back_ms(ctx, stream, start, end, b, n)
             by_batch[str(b)] = {"runs": n, "ms_per_batch": round(ms / n, 4),
                                 "items_per_s": round(n * b / (ms / 1e3), 1)}
             progress.tick(f"batch {b}: {ms / n:.3f} ms, {n * b / (ms / 1e3):,.0f} images/s")
@@ -111,8 +103,19 @@ def limit(cfg: Config, model: str, device: int, duration_s: float, progress: Pro
     }
 
 
+def back_to_back_ms(ctx: DeviceContext, stream: cuda.Stream, start: cuda.Event, end: cuda.Event, batch: int,
+                    n: int) -> float:
+    """Device milliseconds of ``n`` batches of ``batch`` rows enqueued back to back on ``stream``."""
+    start.record(stream)
+    for _ in range(n):
+        ctx.enqueue(batch)
+    end.record(stream)
+    end.synchronize()
+    return float(cuda.elapsed_ms(start, end))
+
+
 def lone_request(engine: DeviceEngine, ctx: DeviceContext, stream: cuda.Stream, end: cuda.Event,
-          runs: int = LONE_RUNS) -> Figures:
+                 runs: int = LONE_RUNS) -> Figures:
     """One batch-1 request at a time, as an application holding the engine would run it: H2D of its inputs
     from page-locked memory, ``enqueue(1)``, D2H of its outputs, wait for the end; wall-clock per request.
     The yardstick of a lone request through the broker (which adds the rings, sockets and threads)."""

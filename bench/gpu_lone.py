@@ -77,7 +77,6 @@ class InProcess:
     def __init__(self, cfg: config.Config, device: int) -> None:
         from shmbroker.gpu_worker import cuda
 
-        self.cuda = cuda
         cuda.set_device(device)
         self.engine = gpu_inprocess.load_device_engine(cfg, MODEL, device)
         self.stream = cuda.Stream()
@@ -85,12 +84,7 @@ class InProcess:
         self.start, self.end = cuda.Event(timing=True), cuda.Event(timing=True)
 
     def batch1_ms(self, runs: int = BATCH1_RUNS) -> float:
-        self.start.record(self.stream)
-        for _ in range(runs):
-            self.ctx.enqueue(1)
-        self.end.record(self.stream)
-        self.end.synchronize()
-        return float(self.cuda.elapsed_ms(self.start, self.end)) / runs
+        return gpu_inprocess.back_to_back_ms(self.ctx, self.stream, self.start, self.end, 1, runs) / runs
 
     def lone_ms(self) -> float:
         return float(gpu_inprocess.lone_request(self.engine, self.ctx, self.stream, self.end)["p50_ms"])
