@@ -117,9 +117,8 @@ class Worker:
         watch = spin.spin_ns > 0 and any(m.runner.watches_ends for m in self.models.values())
         while not stop.is_set():
             hinted = self._spin(spin) if spin.until else False  # (1)
-            if self._watching:
-                self._unwatch()  # the completion threads take over before this loop sleeps (launch order
-                # needs nothing here: any other launch hands the watched batch over first)
+            if self._watching:  # before this loop sleeps, the completion threads take the watched batches
+                self._unwatch()
             if hinted:  # its caller is waiting: run it (3) before the poll, which costs tens of us on a cold core
                 spin.arrived(time.perf_counter_ns())
                 if self._run_inline(watch):
