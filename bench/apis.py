@@ -2,13 +2,13 @@
 
 Each round measures, on the bench's own broker and the ``tiny`` model: the callback API (``Client.call`` chains,
 ``--processes`` processes), Futures (``Client.submit``, the same processes, each waiting on its oldest Future
-before it submits the next) and ``AsyncClient`` (one process, one task per request in flight); for
-information, the zero-copy forms of the callbacks (``request()`` filled in place, then ``call``) and of
-AsyncClient (``request()``, then ``submit()``), whose inputs are small here, so they show the cost and none of
-the saving. No API inspects its answers inside the window (the end-to-end tests check them), so none pays for
-it. Every API keeps ``--in-flight`` requests in flight in all. The targets: Futures and AsyncClient each at
-least 0.8 x the callbacks, the median of the rounds' ratios. JSON on stdout (``--out`` for a file), progress
-on stderr. Figures: bench/RESULTS.md#client-apis.
+before it submits the next) and ``AsyncClient`` (one process, one task per request in flight); for information, the
+zero-copy forms of the callbacks (``request()`` filled in place, then ``call``) and of AsyncClient (``request()``,
+then ``submit()``), whose inputs are small here, so they show the cost and none of the saving; and threads each
+calling ``infer()`` in a loop (``--processes`` processes). No API inspects its answers inside the window (the
+end-to-end tests check them), so none pays for it. Every API keeps ``--in-flight`` requests in flight in all. The
+targets: Futures and AsyncClient each at least 0.8 x the callbacks, the median of the rounds' ratios. JSON on
+stdout (``--out`` for a file), progress on stderr. Figures: bench/RESULTS.md#client-apis.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from shmbroker.client import AsyncClient, Client
 
 MODEL = "tiny"
 TARGET = 0.8
-APIS = ("call", "submit", "async", "zero", "async_zero")
+APIS = ("call", "submit", "async", "zero", "async_zero", "infer")
 
 
 def _started(c: Client, x: np.ndarray, spec: dict[str, Any], sync: Sync) -> tuple[float, float]:
@@ -64,6 +64,30 @@ def submit_client(spec: dict[str, Any], sync: Sync) -> Figures:
             if now < t_end:
                 pending.append(c.submit(MODEL, x))
     return {"completed": completed, "errors": 0, "error_codes": {}}
+
+
+def infer_client(spec: dict[str, Any], sync: Sync) -> Figures:
+    """``in_flight`` threads (the first is this one), each calling ``Client.infer`` in a loop, as a synchronous
+    application does; a request counts if it started and ended inside the window."""
+    in_flight: int = spec["in_flight"]
+    with Client(spec["runtime_dir"], slots=2 * in_flight, name=f"bench-infer-{spec['index']}") as c:
+        x = np.full((1, 256), 0.125 + spec["index"], np.float32)
+        t_count, t_end = _started(c, x, spec, sync)
+        counted = [0] * in_flight
+
+        def loop(i: int) -> None:
+            while (now := time.perf_counter()) < t_end:
+                c.infer(MODEL, x)
+                if t_count <= now and time.perf_counter() < t_end:
+                    counted[i] += 1
+
+        threads = [threading.Thread(target=loop, args=(i,), name=f"bench-infer-{i}") for i in range(1, in_flight)]
+        for t in threads:
+            t.start()
+        loop(0)
+        for t in threads:
+            t.join(30)
+    return {"completed": sum(counted), "errors": 0, "error_codes": {}}
 
 
 def zero_client(spec: dict[str, Any], sync: Sync) -> Figures:
@@ -142,7 +166,7 @@ def _window(progress: Progress, runtime_dir: Path, api: str, processes: int, in_
     base = {"runtime_dir": str(runtime_dir), "model": MODEL, "warmup_s": 0.5, "duration_s": duration_s,
             "warmup_requests": 20, "zero": api.endswith("zero")}
     target = {"call": throughput_client, "submit": submit_client, "async": async_client, "zero": zero_client,
-              "async_zero": async_client}[api]
+              "async_zero": async_client, "infer": infer_client}[api]
     specs = [{**base, "index": i, "seed": i, "in_flight": in_flight // n} for i in range(n)]
     results = run_group(progress, target, specs, 0.5 + duration_s)
     errors = sum(r["errors"] for r in results)
@@ -173,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             f["async_over_call"] = round(f["async_per_s"] / f["call_per_s"], 3)
             f["zero_over_call"] = round(f["zero_per_s"] / f["call_per_s"], 3)  # information
             f["async_zero_over_async"] = round(f["async_zero_per_s"] / f["async_per_s"], 3)  # information
+            f["infer_over_call"] = round(f["infer_per_s"] / f["call_per_s"], 3)  # information
             progress.done(json.dumps(f))
             rounds.append(f)
     targets = {k: {"value": statistics.median(f[k] for f in rounds), "op": ">=", "target": TARGET}

@@ -19,5 +19,6 @@ def test_one_round_measures_every_api_and_the_targets(tmp_path: Path) -> None:
         assert r[f"{api}_per_s"] > 0, api
     assert r["submit_over_call"] == round(r["submit_per_s"] / r["call_per_s"], 3)
     assert r["async_zero_over_async"] == round(r["async_zero_per_s"] / r["async_per_s"], 3)
+    assert r["infer_over_call"] == round(r["infer_per_s"] / r["call_per_s"], 3)
     assert doc["targets"]["async_over_call"]["value"] == r["async_over_call"]
     assert doc["targets"]["submit_over_call"]["target"] == apis.TARGET
