@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The GPU acceptance on the GPU machine, in phases that each fit one 10-minute call (run after installing the
-# carried wheels, see ../shared/device). Logs and JSON documents go to $OUT (default /tmp/h200); the bench runs
-# come back in $OUT/runs.tgz, and a table of them ends the output (bench.gpu_summary, gpu_lone's summaries).
+# The GPU acceptance on the GPU machine, in phases that each fit one 10-minute call. Logs and JSON documents go
+# to $OUT (default /tmp/h200); the bench runs come back in $OUT/runs.tgz, and a table of them ends the output
+# (bench.gpu_summary, gpu_lone's summaries). The machine's image lacks some of shmbroker's dependencies: fetch
+# them here with ../shared/device/prepare-wheels.sh msgspec==0.23.0 prometheus-client==0.26.0 rich==15.0.0 \
+#   markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 onnxconverter-common==1.16.0
+# carry .whl, and install them there with that script's install line before this one.
 #   tests     the GPU tests (tests/gpu and the GPU engines' error paths; about 200 s)
 #   lone      one request at a time on the eager engine, five interleaved rounds for each of Client.call,
 #             Client.infer and zero-copy requests (bench.gpu_lone; about 95 s)
