@@ -30,6 +30,7 @@ import numpy as np
 from shmbroker.bench import report
 from shmbroker.bench.broker_proc import BrokerProcess
 from shmbroker.bench.common import Figures, Progress, emit
+from shmbroker.bench.gpu_load import Loops
 from shmbroker.bench.load import throughput_client
 from shmbroker.bench.procs import Sync, run_group
 from shmbroker.client import AsyncClient, Client
@@ -68,26 +69,14 @@ def submit_client(spec: dict[str, Any], sync: Sync) -> Figures:
 
 def infer_client(spec: dict[str, Any], sync: Sync) -> Figures:
     """``in_flight`` threads (the first is this one), each calling ``Client.infer`` in a loop, as a synchronous
-    application does; a request counts if it started and ended inside the window."""
+    application does (bench.gpu_load's ``Loops``); the requests that end inside the window count."""
     in_flight: int = spec["in_flight"]
     with Client(spec["runtime_dir"], slots=2 * in_flight, name=f"bench-infer-{spec['index']}") as c:
         x = np.full((1, 256), 0.125 + spec["index"], np.float32)
         t_count, t_end = _started(c, x, spec, sync)
-        counted = [0] * in_flight
-
-        def loop(i: int) -> None:
-            while (now := time.perf_counter()) < t_end:
-                c.infer(MODEL, x)
-                if t_count <= now and time.perf_counter() < t_end:
-                    counted[i] += 1
-
-        threads = [threading.Thread(target=loop, args=(i,), name=f"bench-infer-{i}") for i in range(1, in_flight)]
-        for t in threads:
-            t.start()
-        loop(0)
-        for t in threads:
-            t.join(30)
-    return {"completed": sum(counted), "errors": 0, "error_codes": {}}
+        loops = Loops(c, MODEL, x, t_count, t_end, in_flight)
+        loops.run(30.0)
+    return {"completed": len(loops.samples), "errors": sum(loops.errors.values()), "error_codes": dict(loops.errors)}
 
 
 def zero_client(spec: dict[str, Any], sync: Sync) -> Figures:
