@@ -102,6 +102,7 @@ def run_batches(engine: DeviceEngine, slots: list[StreamSlot], seg: Segment, row
         slot.start.record(slot.stream)
         issue(*h2d, "h2d", h, batched)
         slot.copied_in.record(slot.stream)
+        slot.began.record(slot.stream)
         slot.ctx.enqueue(rows)
         slot.computed.record(slot.stream)
         issue(*d2h, "d2h", h, batched)
@@ -111,7 +112,7 @@ def run_batches(engine: DeviceEngine, slots: list[StreamSlot], seg: Segment, row
         launch(i)
     for s in slots:
         s.end.synchronize()
-    sums = [0.0, 0.0, 0.0]
+    sums = [0.0, 0.0, 0.0, 0.0]
     n = 0
     t0 = time.perf_counter()
     while n < MIN_BATCHES * len(slots) or time.perf_counter() - t0 < duration_s:
@@ -125,7 +126,8 @@ def run_batches(engine: DeviceEngine, slots: list[StreamSlot], seg: Segment, row
     wall = time.perf_counter() - t0
     return {"streams": len(slots), "batch": rows, "batches": n, "seconds": round(wall, 3),
             "batched_copies": batched, "items_per_s": round(n * rows / wall, 1),
-            **{f"{name}_ms": round(v / n, 4) for name, v in zip(("h2d", "compute", "d2h"), sums, strict=True)}}
+            **{f"{name}_ms": round(v / n, 4) for name, v in zip(("h2d", "wait", "compute", "d2h"), sums, strict=True)
+               if name != "wait"}}
 
 
 def _reuse(slot: StreamSlot, sums: list[float]) -> None:

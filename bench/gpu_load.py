@@ -260,7 +260,8 @@ def stage_figures(before: P.StatsReply, after: P.StatsReply, model: str, seconds
                       "p99_us": _round(quantile(d, 0.99))}
     if "compute" in a.stages and b.stages.get("compute") is not None:
         busy_us = a.stages["compute"].sum_us - b.stages["compute"].sum_us
-        out["compute_busy_pct"] = round(100 * busy_us / (seconds * 1e6), 1)  # streams overlap: may pass 100
+        # the share of the window the device computed; computes side by side overlap and may pass 100
+        out["compute_busy_pct"] = round(100 * busy_us / (seconds * 1e6), 1)
     batches = a.batches - b.batches
     items = sum(int(k) * v for k, v in a.batch_items.items()) - sum(int(k) * v for k, v in b.batch_items.items())
     out["batches"] = batches

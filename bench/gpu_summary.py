@@ -1,5 +1,6 @@
-"""One line per GPU bench JSON document (``bench.gpu --json``): (c) images/s, (c)/(a), GPU busy, p50, p99 and
-its bound (where (a) ran too), the mean batch and the window's batches by size. The GPU machine's scripts
+"""One line per GPU bench JSON document (``bench.gpu --json``): (c) images/s, (c)/(a), GPU busy (NVML), the
+event-timed compute's share of the window, p50, p99 and its bound (where (a) ran too), the mean batch and the
+window's batches by size. The GPU machine's scripts
 (h200_variants.sh, h200_matrix.sh) print their runs with it.
 
     python3 -m shmbroker.bench.gpu_summary DIR [NAME ...]    (NAME.json in DIR, in that order; else every *.json)
@@ -12,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HEADER = (f"{'run':>16} {'engine':>9} {'(c) img/s':>10} {'c/a':>6} {'GPU %':>6} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'bound':>6} {'mean batch':>10}  batches by size")
+HEADER = (f"{'run':>16} {'engine':>9} {'(c) img/s':>10} {'c/a':>6} {'GPU %':>6} {'comp %':>6} {'p50 ms':>7} "
+          f"{'p99 ms':>7} {'bound':>6} {'mean batch':>10}  batches by size")
 
 
 def lines(name: str, doc: dict[str, Any]) -> list[str]:
@@ -26,6 +27,7 @@ def lines(name: str, doc: dict[str, Any]) -> list[str]:
         ratio = targets.get("c_over_a", {}).get("value")
         bound = targets.get("p99_ms_c", {}).get("bound_ms") or "-"  # the p99 bound, where (a) ran in the same run
         out.append(f"{name:>16} {engine:>9} {c.get('per_s')!s:>10.10} {ratio!s:>6.6} {c.get('gpu_busy_pct')!s:>6.6} "
+                   f"{st.get('compute_busy_pct')!s:>6.6} "
                    f"{lat.get('p50_us', 0) / 1e3:>7.2f} {lat.get('p99_us', 0) / 1e3:>7.2f} {bound!s:>6.6} "
                    f"{st.get('mean_batch')!s:>10.10}  {st.get('batch_sizes')}")
     if doc.get("failures"):

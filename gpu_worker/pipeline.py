@@ -43,9 +43,10 @@ from shmbroker.gpu_worker.work import ModelCounters, Work, complete_ok
 
 log = logging.getLogger(__name__)
 
-# per request: queue; per batch: h2d, compute, d2h (CUDA events), answer (host: from the batch's end on the
-# device, as far as launch time plus its event-timed stages tells, to its last DONE sent)
-STAGES = ("queue", "h2d", "compute", "d2h", "answer")
+# per request: queue; per batch: h2d, wait (for the previous batch's compute), compute, d2h (CUDA events),
+# answer (host: from the batch's end on the device, as far as launch time plus its event-timed stages tells,
+# to its last DONE sent)
+STAGES = ("queue", "h2d", "wait", "compute", "d2h", "answer")
 POLL_S = 0.5  # how often a waiting runner looks at its stop flag
 BATCHED_COPIES = False  # until warm_up has measured which way of issuing copies costs this thread less
 # A lone batch expected to take at most this long has its end event polled: the driver's blocking wait wakes
@@ -350,6 +351,7 @@ class PipelineRunner(BatchRunner):
         slot.copied_in.record(stream)
         if self.serial_compute and self._last_computed is not None and self.batcher.running > 1:
             slot.stream.wait(self._last_computed)  # the previous batch's compute, as recorded now
+        slot.began.record(stream)
         ctx.enqueue(rows)  # (4)
         slot.computed.record(stream)
         self._last_computed = slot.computed
@@ -427,22 +429,20 @@ class PipelineRunner(BatchRunner):
         span = max(1, self.model.max_batch - 1)
         return one + (most - one) * (rows - 1) / span
 
-    def _stage_ms(self, slot: StreamSlot) -> tuple[float, float, float] | None:
+    def _stage_ms(self, slot: StreamSlot) -> tuple[float, float, float, float] | None:
         try:
             return slot.stage_ms()
         except cuda.CudaError as exc:
             log.warning("model %s: stage timing failed: %s", self.model.name, exc)
             return None
 
-    def _record_stages(self, stages: tuple[float, float, float] | None, answered_s: float) -> None:
+    def _record_stages(self, stages: tuple[float, float, float, float] | None, answered_s: float) -> None:
         """Feed the histograms; ``answered_s``: from the batch's launch to its last DONE sent."""
         if stages is None:
             return
-        h2d, compute, d2h = stages
-        self.stages["h2d"].add(h2d * 1e3)
-        self.stages["compute"].add(compute * 1e3)
-        self.stages["d2h"].add(d2h * 1e3)
-        self.stages["answer"].add(max(0.0, answered_s * 1e6 - (h2d + compute + d2h) * 1e3))
+        for name, ms in zip(("h2d", "wait", "compute", "d2h"), stages, strict=True):
+            self.stages[name].add(ms * 1e3)
+        self.stages["answer"].add(max(0.0, answered_s * 1e6 - sum(stages) * 1e3))
 
 
 def _poll(event: cuda.Event, until: float) -> bool:

@@ -1,8 +1,8 @@
 """A model's stream slots, and the copies of one batch between ring slots and a slot's device buffers.
 
 A stream slot is everything one batch in flight needs, made once at start: a CUDA stream, the engine's
-context for that stream (device input and output buffers for ``max_batch`` rows), and four timing events
-that split the batch into its stages (H2D, compute, D2H). Nothing here allocates per batch.
+context for that stream (device input and output buffers for ``max_batch`` rows), and five timing events
+that split the batch into its stages (H2D, wait, compute, D2H). Nothing here allocates per batch.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ class StreamSlot:
         self.events: list[cuda.Event] = []
         self.context: DeviceContext | None = None
         try:
-            self.events = [cuda.Event(timing=True) for _ in range(3)]
+            self.events = [cuda.Event(timing=True) for _ in range(4)]
             # the completion thread sleeps on this one in the driver instead of spinning a core
             self.events.append(cuda.Event(timing=True, blocking=True))
             self.context = engine.create_context(index, self.stream.handle, max_batch)
         except BaseException:
             self.close()
             raise
-        self.start, self.copied_in, self.computed, self.end = self.events
+        # began: where the compute may start, after the previous batch's compute (serial_compute)
+        self.start, self.copied_in, self.began, self.computed, self.end = self.events
         self.works: list[Work] = []
         self.rows = 0
         self.launched = 0.0  # time.monotonic() of the last launch
@@ -50,10 +51,11 @@ class StreamSlot:
             raise RuntimeError(f"stream slot {self.index} is closed")
         return self.context
 
-    def stage_ms(self) -> tuple[float, float, float]:
-        """(H2D, compute, D2H) milliseconds of the last batch; its end event must have completed."""
-        return (cuda.elapsed_ms(self.start, self.copied_in), cuda.elapsed_ms(self.copied_in, self.computed),
-                cuda.elapsed_ms(self.computed, self.end))
+    def stage_ms(self) -> tuple[float, float, float, float]:
+        """(H2D, wait, compute, D2H) milliseconds of the last batch; its end event must have completed. The
+        wait is from its inputs' arrival to the end of the compute it waited for, if any."""
+        return (cuda.elapsed_ms(self.start, self.copied_in), cuda.elapsed_ms(self.copied_in, self.began),
+                cuda.elapsed_ms(self.began, self.computed), cuda.elapsed_ms(self.computed, self.end))
 
     def close(self) -> None:
         """Release the context, events and stream (idempotent); the stream's work must be finished."""

@@ -106,7 +106,7 @@ def test_every_request_gets_its_own_result(host_device: HostDevice, session: tup
     assert sum(engine.batches) == SLOTS
     assert max(engine.batches) > 1, f"batches never formed while the device computed: {engine.batches}"
     assert runner.counters.requests[P.Status.OK.name] == SLOTS
-    for stage in ("h2d", "compute", "d2h", "answer"):
+    for stage in ("h2d", "wait", "compute", "d2h", "answer"):
         assert runner.stages[stage].snapshot().count == len(engine.batches)
     if POLICIES[policy].early_copies:
         assert filled, "no batch filled on the device while another computed"
@@ -151,6 +151,8 @@ def test_only_a_batch_launched_while_another_runs_waits_for_its_compute(
     finally:
         runner.stop()
     assert waits, f"no batch launched while another ran waited for its compute, batches {engine.batches}"
+    waited = runner.stages["wait"].snapshot()
+    assert waited.count == len(engine.batches) and waited.max_us > 0, f"no wait in the stages: {waited}"
 
 
 def test_requests_one_at_a_time_run_on_one_stream_slot(host_device: HostDevice,

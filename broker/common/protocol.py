@@ -279,8 +279,8 @@ class ModelStats(msgspec.Struct):
     batches: int
     batch_items: dict[str, int]  # batch size (items) -> count of batches
     queue_depth: int
-    # GPU pipeline only: "queue" (per request), "h2d", "compute", "d2h" (per batch, CUDA events), "answer" (per
-    # batch, host: the batch's end on the device to its DONEs sent); empty on CPU
+    # GPU pipeline only: "queue" (per request), "h2d", "wait", "compute", "d2h" (per batch, CUDA events),
+    # "answer" (per batch, host: the batch's end on the device to its DONEs sent); empty on CPU
     stages: dict[str, StageHistogram] = msgspec.field(default_factory=dict)
 
 

@@ -60,7 +60,7 @@ def test_eight_clients_get_their_own_results_in_fp32_and_fp16(gpu_broker: Runnin
         assert m.requests.get("OK", 0) >= CLIENTS * REQUESTS, m.requests
         assert rows / m.batches > 1.0, f"{name}: batches did not form ({m.batch_items})"
         assert m.stages["queue"].count == m.requests["OK"]
-        for stage in ("h2d", "compute", "d2h", "answer"):
+        for stage in ("h2d", "wait", "compute", "d2h", "answer"):
             assert m.stages[stage].count == m.batches, (stage, m.stages[stage].count, m.batches)
 
 
