@@ -21,7 +21,7 @@ from shmbroker.bench.common import Figures
 from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
 from shmbroker.gpu_worker import cuda
 from shmbroker.gpu_worker.engines.base import DeviceEngine
-from shmbroker.gpu_worker.streams import StreamSlot, issue
+from shmbroker.gpu_worker.streams import EVENT_STAGES, StreamSlot, issue
 
 MIN_BATCHES = 8  # per stream slot, whatever the duration
 
@@ -112,7 +112,7 @@ def run_batches(engine: DeviceEngine, slots: list[StreamSlot], seg: Segment, row
         launch(i)
     for s in slots:
         s.end.synchronize()
-    sums = [0.0, 0.0, 0.0, 0.0]
+    sums = [0.0] * len(EVENT_STAGES)
     n = 0
     t0 = time.perf_counter()
     while n < MIN_BATCHES * len(slots) or time.perf_counter() - t0 < duration_s:
@@ -126,8 +126,7 @@ def run_batches(engine: DeviceEngine, slots: list[StreamSlot], seg: Segment, row
     wall = time.perf_counter() - t0
     return {"streams": len(slots), "batch": rows, "batches": n, "seconds": round(wall, 3),
             "batched_copies": batched, "items_per_s": round(n * rows / wall, 1),
-            **{f"{name}_ms": round(v / n, 4) for name, v in zip(("h2d", "wait", "compute", "d2h"), sums, strict=True)
-               if name != "wait"}}
+            **{f"{name}_ms": round(v / n, 4) for name, v in zip(EVENT_STAGES, sums, strict=True)}}
 
 
 def _reuse(slot: StreamSlot, sums: list[float]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from shmbroker.bench.common import Figures
+from shmbroker.gpu_worker.pipeline import STAGES
 
 LONE_SLACK_MS = 0.3  # what a lone request through the broker may add to the engine's batch-1 time in-process
 
@@ -113,7 +114,7 @@ def _load_line(label: str, f: Figures, limit: float | None = None) -> str:
 
 def _stage_lines(engine: str, st: Figures) -> list[str]:
     lines = ["", f"{'stage in (c) ' + engine + ', worker':<26} {'mean us':>9} {'p50 us':>9} {'p99 us':>9} {'count':>9}"]
-    for stage in ("queue", "h2d", "wait", "compute", "d2h", "answer"):
+    for stage in STAGES:
         s = st.get(stage, {})
         lines.append(f"{stage:<26} {_n(s.get('mean_us')):>9} {_n(s.get('p50_us')):>9} {_n(s.get('p99_us')):>9} "
                      f"{_n(s.get('count'), '{:,}'):>9}")

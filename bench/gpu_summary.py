@@ -1,7 +1,6 @@
 """One line per GPU bench JSON document (``bench.gpu --json``): (c) images/s, (c)/(a), GPU busy (NVML), the
 event-timed compute's share of the window, p50, p99 and its bound (where (a) ran too), the mean batch and the
-window's batches by size. The GPU machine's scripts
-(h200_variants.sh, h200_matrix.sh) print their runs with it.
+window's batches by size. The GPU machine's scripts (h200_acceptance.sh and others) print their runs with it.
 
     python3 -m shmbroker.bench.gpu_summary DIR [NAME ...]    (NAME.json in DIR, in that order; else every *.json)
 """

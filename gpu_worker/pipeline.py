@@ -38,7 +38,7 @@ from shmbroker.gpu_worker.histogram import Histogram
 from shmbroker.gpu_worker.intake import ModelView
 from shmbroker.gpu_worker.launchplan import LaunchPlan
 from shmbroker.gpu_worker.runner import BatchRunner
-from shmbroker.gpu_worker.streams import CopyPlan, StreamSlot, issue, probe_batched_copies
+from shmbroker.gpu_worker.streams import EVENT_STAGES, CopyPlan, StreamSlot, issue, probe_batched_copies
 from shmbroker.gpu_worker.work import ModelCounters, Work, complete_ok
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # per request: queue; per batch: h2d, wait (for the previous batch's compute), compute, d2h (CUDA events),
 # answer (host: from the batch's end on the device, as far as launch time plus its event-timed stages tells,
 # to its last DONE sent)
-STAGES = ("queue", "h2d", "wait", "compute", "d2h", "answer")
+STAGES = ("queue", *EVENT_STAGES, "answer")
 POLL_S = 0.5  # how often a waiting runner looks at its stop flag
 BATCHED_COPIES = False  # until warm_up has measured which way of issuing copies costs this thread less
 # A lone batch expected to take at most this long has its end event polled: the driver's blocking wait wakes
@@ -440,7 +440,7 @@ class PipelineRunner(BatchRunner):
         """Feed the histograms; ``answered_s``: from the batch's launch to its last DONE sent."""
         if stages is None:
             return
-        for name, ms in zip(("h2d", "wait", "compute", "d2h"), stages, strict=True):
+        for name, ms in zip(EVENT_STAGES, stages, strict=True):
             self.stages[name].add(ms * 1e3)
         self.stages["answer"].add(max(0.0, answered_s * 1e6 - sum(stages) * 1e3))
 

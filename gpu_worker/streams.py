@@ -18,6 +18,8 @@ from shmbroker.gpu_worker.work import Work
 
 log = logging.getLogger(__name__)
 
+EVENT_STAGES = ("h2d", "wait", "compute", "d2h")  # the names of ``StreamSlot.stage_ms``'s figures, in order
+
 
 class StreamSlot:
     """One batch in flight at a time. Owned by the runner thread from launch, by the completion thread from
