@@ -28,7 +28,7 @@ from shmbroker.broker.common import config
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "gpu.toml"
 MODEL = "nsfw"
 PHASES = ("copies", "limit", "classic", "broker")
-ENGINES = ("torch", "inductor")
+ENGINES = ("torch", "inductor", "null")
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "(default: the config's engine)")
     ap.add_argument("--inductor", default="", metavar="PACKAGE",
                     help="the inductor column's package (shmbroker build --engine inductor)")
+    ap.add_argument("--null-compute-us", type=int, default=100, metavar="US",
+                    help="the null column's device time per batch, whatever its rows (default 100): small, so that "
+                         "the host path sets what the broker serves")
     ap.add_argument("--sweep-max", type=int, default=256, metavar="N",
                     help="(a) sweeps batch sizes 1, 2, 4, ... up to N whatever the config's max_batch (default 256)")
     ap.add_argument("--max-batch", type=int, default=0, metavar="N",
@@ -213,6 +216,8 @@ def columns(cfg: config.Config, args: argparse.Namespace, workdir: Path) -> list
     for name in names:
         try:
             options = gpu_variants.parse_options(getattr(args, "model_options", []))
+            if name == "null":
+                options = {"null_compute_us": getattr(args, "null_compute_us", 100), **options}
             variant = gpu_variants.engine_config(cfg, MODEL, name, package, args.max_batch, args.streams, options)
         except config.ConfigError as exc:
             raise SystemExit(str(exc)) from None

@@ -29,9 +29,28 @@ def lines(name: str, doc: dict[str, Any]) -> list[str]:
                    f"{st.get('compute_busy_pct')!s:>6.6} "
                    f"{lat.get('p50_us', 0) / 1e3:>7.2f} {lat.get('p99_us', 0) / 1e3:>7.2f} {bound!s:>6.6} "
                    f"{st.get('mean_batch')!s:>10.10}  {st.get('batch_sizes')}")
+        out += _cpu_line(c)
     if doc.get("failures"):
         out.append(f"{'':>16} failures: {doc['failures']}")
     return out
+
+
+def _cpu_line(c: dict[str, Any]) -> list[str]:
+    """Each worker thread's CPU us a request and its share of a core at the window's rate, and each client
+    process's: a thread near 100 % is the host path's ceiling."""
+    rate = c.get("per_s") or 0
+    parts = []
+    for threads in (c.get("worker_cpu_us_per_request") or {}).values():
+        if not isinstance(threads, dict):
+            continue
+        busiest = [(k, v) for k, v in threads.items() if k != "total"][:5]
+        parts += [f"{k} {v:.1f} us ({v * rate / 1e4:.0f} %)" for k, v in busiest]
+        if "total" in threads:
+            parts.append(f"worker total {threads['total']:.1f} us")
+    client, procs = c.get("client_cpu_us_per_request"), c.get("clients") or 0
+    if client and procs:
+        parts.append(f"client process {client:.0f} us ({client * rate / procs / 1e4:.0f} % each)")
+    return [f"{'':>16} cpu: " + ", ".join(parts)] if parts else []
 
 
 def main(argv: list[str]) -> int:

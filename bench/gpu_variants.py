@@ -13,7 +13,8 @@ from shmbroker.broker.common import config
 
 def engine_config(cfg: config.Config, model: str, engine: str, package: str = "", max_batch: int = 0,
                   streams: int = 0, options: dict[str, Any] | None = None) -> config.Config:
-    """``cfg`` with ``model`` on ``engine``: "torch" runs the config's ONNX file, "inductor" the package at
+    """``cfg`` with ``model`` on ``engine``: "torch" runs the config's ONNX file, "null" only reads its IO (the
+    options then set ``null_compute_us``), "inductor" the package at
     ``package``; ``max_batch`` and ``streams`` (when not 0) and ``options`` (``models.MODEL`` keys) replace
     the model's. ConfigError names what is missing or wrong."""
     data = config.to_dict(cfg)
@@ -26,10 +27,12 @@ def engine_config(cfg: config.Config, model: str, engine: str, package: str = ""
                                      f"--engine inductor), or a config whose models.{model}.engine is 'inductor'")
         section["path"] = str(Path(package).resolve())
         section["fp16"] = False  # the package carries its precision (config refuses fp16 with it)
-    elif engine == "torch" and section["engine"] == "inductor":
-        raise config.ConfigError(f"the torch column needs models.{model} as an ONNX file: give a config on engine "
+    elif engine in ("torch", "null") and section["engine"] == "inductor":
+        raise config.ConfigError(f"the {engine} column needs models.{model} as an ONNX file: give a config on engine "
                                  "'torch' (bench/gpu.toml) and the package with --inductor")
     section["engine"] = engine
+    if engine == "null":
+        section["fp16"] = False  # no model computes: only the ONNX file's IO is read
     if max_batch:
         section["max_batch"] = max_batch
     if streams:

@@ -12,6 +12,9 @@
 #             (bench.gpu with its in-process limit (a); about 80 s)
 #   inductor  builds the dynamic-batch package (about 90 s) unless $INDUCTOR names one, then 16 x 48 twice and
 #             one request at a time with Client.infer and zero-copy requests (about 130 s more)
+#   null      the host path's ceiling: the null engine (100 us of device time a batch) under 16 x 48 and 16 x 96
+#             batch-1 requests (about 60 s)
+# Every run starts by printing the host's CPU (lscpu), which bench/RESULTS.md records beside each figure.
 #   bash bench/h200_acceptance.sh lone eager
 #   bash bench/h200_acceptance.sh inductor
 set -uo pipefail
@@ -33,6 +36,7 @@ lone() {  # NAME, API, gpu_lone options...
   python3 -m shmbroker.bench.gpu_lone --api "$api" --out "$runs/$name.json" "$@" > "$runs/$name.txt" 2>&1
   echo "$(stamp) $name: exit $?"
 }
+lscpu | grep -E '^(Model name|Socket|Core|Thread|NUMA node\(s\)|CPU\(s\)|CPU max MHz)' | tee "$out/cpu.txt"
 for phase in "$@"; do
   case $phase in
     tests)
@@ -52,7 +56,10 @@ for phase in "$@"; do
       bench inductor-16x48-1 --engines inductor --inductor "$package" --in-flight 48
       bench inductor-16x48-2 --engines inductor --inductor "$package" --in-flight 48
       for api in infer request; do lone "lone-inductor-$api" "$api" --engine inductor --inductor "$package"; done ;;
-    *) echo "unknown phase $phase (tests, lone, eager, inductor)"; exit 2 ;;
+    null)
+      bench null-16x48 --engines null --in-flight 48
+      bench null-16x96 --engines null --in-flight 96 ;;
+    *) echo "unknown phase $phase (tests, lone, eager, inductor, null)"; exit 2 ;;
   esac
 done
 python3 -m shmbroker.bench.gpu_summary "$runs" 2>/dev/null

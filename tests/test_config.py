@@ -101,6 +101,12 @@ def test_early_copies_without_filling_names_both_keys() -> None:
     assert "key 'models.m.early_copies'" in msg and "fill_while_busy = true" in msg
 
 
+def test_null_compute_time_on_another_engine_names_the_key() -> None:
+    msg = _error(_model(null_compute_us=100))
+    assert "key 'models.m.null_compute_us'" in msg and "engine 'null'" in msg
+    assert C.parse(_model(engine="null", null_compute_us=100)).models["m"].null_compute_us == 100
+
+
 def test_relative_model_path_resolves_against_the_file(tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     cfg_file = tmp_path / "sub" / "broker.toml"

@@ -24,7 +24,7 @@ def check(meta: dict[str, Any]) -> None:
     check_plan_meta(meta, where="a.plan", trt_version="11.4.0.106", gpu_name="NVIDIA H200", capability=(9, 0))
 
 
-@pytest.mark.parametrize("kind", ["torch", "inductor", "tensorrt"])
+@pytest.mark.parametrize("kind", ["torch", "inductor", "tensorrt", "null"])
 def test_gpu_engine_on_cpu_names_the_config_key(kind: str) -> None:
     with pytest.raises(EngineError, match=r"worker\.devices"):
         load_engine(kind, "model.onnx", device="cpu")
@@ -44,7 +44,7 @@ def test_onnxruntime_unchanged_on_a_gpu_worker() -> None:
     assert engine.run({"x": np.zeros((2, 256), dtype=np.float32)})[0].shape == (2, 256)
 
 
-@pytest.mark.parametrize(("kind", "path"), [("torch", "model.onnx"), ("inductor", "model.pt2")])
+@pytest.mark.parametrize(("kind", "path"), [("torch", "model.onnx"), ("inductor", "model.pt2"), ("null", "model.onnx")])
 def test_missing_torch_says_what_to_install(monkeypatch: pytest.MonkeyPatch, kind: str, path: str) -> None:
     monkeypatch.setitem(sys.modules, "torch", None)  # an import of it now fails
     monkeypatch.setattr(graphed, "_torch_mod", None)

@@ -69,7 +69,7 @@ class MonitoringSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     path: str
-    engine: Literal["onnxruntime", "torch", "inductor", "tensorrt"] = "onnxruntime"
+    engine: Literal["onnxruntime", "torch", "inductor", "tensorrt", "null"] = "onnxruntime"
     max_batch: Annotated[int, Meta(ge=1, le=4096)] = 8
     max_queue_delay_us: Annotated[int, Meta(ge=0, le=10_000_000)] = 1000
     # a batch leaves at once, without max_queue_delay_us, while an engine instance (CPU) or the GPU is idle;
@@ -100,6 +100,8 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     early_copies: bool = False
     fp16: bool = False
     cuda_graphs: bool = True
+    # engine "null" only (benchmarks of the host path): each batch's device time, whatever its rows
+    null_compute_us: Annotated[int, Meta(ge=0, le=10_000_000)] = 0
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -163,6 +165,9 @@ def _check(cfg: Config, source: str) -> None:
         if m.engine == "inductor" and m.fp16:
             raise ConfigError(f"{source}: key 'models.{name}.fp16': an inductor package carries its own precision; "
                               "drop the key and build the package with shmbroker build --precision fp16")
+        if m.null_compute_us and m.engine != "null":
+            raise ConfigError(f"{source}: key 'models.{name}.null_compute_us': only engine 'null' (a benchmark of the "
+                              f"host path) has a fixed compute time; engine is {m.engine!r}: drop the key")
         if m.early_copies and not m.fill_while_busy:
             raise ConfigError(f"{source}: key 'models.{name}.early_copies': a batch fills on the device only until the "
                               "device needs it, so it needs fill_while_busy = true (or drop early_copies)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shmbroker.gpu_worker.engines.base import DeviceContext, DeviceEngine, Engine, EngineError, IOSpec, is_device_engine
 
-GPU_ENGINES = ("torch", "inductor", "tensorrt")
+GPU_ENGINES = ("torch", "inductor", "tensorrt", "null")
 
 
 def parse_device(device: str, kind: str) -> int | None:
@@ -31,13 +31,16 @@ def load_engine(
     fp16: bool = False,
     cuda_graphs: bool = True,
     max_batch: int = 8,
+    null_compute_us: int = 0,
 ) -> Engine:
     """Build the engine named ``kind`` for a model file (or bytes) on ``device``; EngineError says what failed.
 
     "onnxruntime" runs on the CPU whatever the device. "torch", "inductor" and "tensorrt" need a GPU device and
     return a DeviceEngine; ``fp16`` applies to "torch" (an inductor package or a plan carries its precision),
     ``cuda_graphs`` to "torch" and "inductor", and ``max_batch`` is checked against the package's largest batch
-    or the plan's first optimization profile at load. A missing package gives an EngineError naming what to install.
+    or the plan's first optimization profile at load. "null" (benchmarks of the host path) reads only the IO of an
+    ONNX file and computes ``null_compute_us`` per batch. A missing package gives an EngineError naming what to
+    install.
     """
     if kind == "onnxruntime":
         from shmbroker.gpu_worker.engines.onnxruntime import OnnxRuntimeEngine
@@ -56,7 +59,11 @@ def load_engine(
         from shmbroker.gpu_worker.engines.tensorrt import TensorRTEngine
 
         return TensorRTEngine(source, device=ordinal, max_batch=max_batch)
-    raise EngineError(f"unknown engine {kind!r}: expected one of 'onnxruntime', 'torch', 'inductor', 'tensorrt'")
+    if kind == "null" and ordinal is not None:
+        from shmbroker.gpu_worker.engines.null import NullEngine
+
+        return NullEngine(source, device=ordinal, compute_us=null_compute_us, cuda_graphs=cuda_graphs)
+    raise EngineError(f"unknown engine {kind!r}: expected one of 'onnxruntime', {', '.join(map(repr, GPU_ENGINES))}")
 
 
 __all__ = [

@@ -26,7 +26,8 @@ def torch_module() -> Any:
             import torch
         except ImportError as exc:
             raise EngineError(
-                "engines 'torch' and 'inductor' need PyTorch with CUDA: install torch (the CUDA build, see pytorch.org)"
+                "engines 'torch', 'inductor' and 'null' need PyTorch with CUDA: install torch (the CUDA build, see "
+                "pytorch.org)"
             ) from exc
         _torch_mod = torch
     return _torch_mod

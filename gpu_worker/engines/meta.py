@@ -69,6 +69,37 @@ def spec_from_dims(name: str, dtype: np.dtype[Any], dims: Sequence[int | str | N
     return spec_of(SimpleNamespace(name=name, type=type_name, shape=shape), role)
 
 
+def onnx_specs(model: Any) -> tuple[list[IOSpec], list[IOSpec]]:
+    """The inputs and outputs of a loaded ``onnx.ModelProto``; EngineError for IO shmbroker does not carry."""
+    import onnx
+
+    def spec(value: Any, role: str) -> IOSpec:
+        ttype = value.type.tensor_type
+        try:
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"{role} {value.name!r} is not a tensor of a numpy type") from exc
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in ttype.shape.dim]
+        return spec_from_dims(value.name, dtype, dims, role)
+
+    initializers = {t.name for t in model.graph.initializer}  # IR < 4 lists them as inputs too
+    inputs = [spec(v, "input") for v in model.graph.input if v.name not in initializers]
+    return inputs, [spec(v, "output") for v in model.graph.output]
+
+
+def onnx_file_specs(source: str | bytes) -> tuple[list[IOSpec], list[IOSpec]]:
+    """The inputs and outputs of an ONNX file (or its bytes), read without running it; EngineError when unreadable."""
+    import onnx
+
+    where = "<model bytes>" if isinstance(source, bytes) else source
+    try:
+        model = (onnx.load_from_string(source) if isinstance(source, bytes)
+                 else onnx.load(source, load_external_data=False))
+    except Exception as exc:  # protobuf and IO errors alike
+        raise EngineError(f"cannot read the ONNX model {where}: {exc}") from exc
+    return onnx_specs(model)
+
+
 def sidecar_path(model_path: str) -> str:
     """Where the sidecar of ``model_path`` lives."""
     return model_path + ".json"

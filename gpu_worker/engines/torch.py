@@ -17,7 +17,7 @@ import numpy as np
 
 from shmbroker.gpu_worker.engines.base import EngineError, IOSpec
 from shmbroker.gpu_worker.engines.graphed import Body, GraphedContext, as_list, graph_ladder, torch_dtype, torch_module
-from shmbroker.gpu_worker.engines.meta import read_sidecar, spec_from_dims, specs_from_json
+from shmbroker.gpu_worker.engines.meta import onnx_specs, read_sidecar, spec_from_dims, specs_from_json
 
 log = logging.getLogger(__name__)
 
@@ -83,23 +83,6 @@ def fold_constant_reshapes(gm: Any) -> tuple[int, int]:
     return folded, left
 
 
-def _onnx_specs(model: Any) -> tuple[list[IOSpec], list[IOSpec]]:
-    import onnx
-
-    def spec(value: Any, role: str) -> IOSpec:
-        ttype = value.type.tensor_type
-        try:
-            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EngineError(f"{role} {value.name!r} is not a tensor of a numpy type") from exc
-        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in ttype.shape.dim]
-        return spec_from_dims(value.name, dtype, dims, role)
-
-    initializers = {t.name for t in model.graph.initializer}  # IR < 4 lists them as inputs too
-    inputs = [spec(v, "input") for v in model.graph.input if v.name not in initializers]
-    return inputs, [spec(v, "output") for v in model.graph.output]
-
-
 def load_onnx(source: str | bytes, where: str) -> tuple[Any, list[IOSpec], list[IOSpec]]:
     """An ONNX model as a PyTorch module (onnx2torch, constant Reshapes folded) with its IO; EngineError says
     what failed. ``where`` names the model in messages."""
@@ -109,7 +92,7 @@ def load_onnx(source: str | bytes, where: str) -> tuple[Any, list[IOSpec], list[
         model = onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(source)
     except Exception as exc:  # protobuf and IO errors alike
         raise EngineError(f"cannot read the ONNX model {where}: {exc}") from exc
-    inputs, outputs = _onnx_specs(model)
+    inputs, outputs = onnx_specs(model)
     try:
         from onnx2torch import convert
     except ImportError as exc:
