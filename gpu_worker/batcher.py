@@ -76,6 +76,10 @@ class Batcher(Generic[E]):
         # the batch sizes the engine runs without padding (empty: every size); while a batch of this batcher runs,
         # one that is not full takes the largest of these that its rows reach, and the rest wait for the next
         self.fits: list[int] = []
+        # while a batch of this batcher runs: how many rows the next batch can copy in before the device runs out
+        # of work (None: no bound), and the fewest rows it takes all the same (``trim_to_copies``)
+        self.rows_in_time: Callable[[float], int | None] | None = None
+        self.min_rows = 1
         self._waiters = 0  # threads asleep in ``take`` or ``take_more``
         self._filling = 0  # while the runner waits in ``take_more``: the rows that wake it
         # a batch filling on the device (``take_more``) opens by the delay alone; the hold says when it closes
@@ -295,8 +299,14 @@ class Batcher(Generic[E]):
 
     def _pop_batch(self) -> list[E]:
         target = self._target()
-        if self.fits and self._running and self._items < target:
-            target = max((f for f in self.fits if f <= self._items), default=target)
+        capped = False
+        if self._running and self.rows_in_time is not None:
+            # rows whose copies would outlast the device's work leave it idle: they wait for the next batch
+            in_time = self.rows_in_time(time.monotonic())
+            if in_time is not None and in_time < min(target, self._items):
+                target, capped = max(self.min_rows, in_time), True
+        if self.fits and self._running and (capped or self._items < target):
+            target = max((f for f in self.fits if f <= min(target, self._items)), default=target)
         batch = self._pop_rows(target)
         if not batch and self._q:  # never starve a request that alone exceeds a preferred size
             batch.append(self._q.popleft())

@@ -48,7 +48,8 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
         batcher: Batcher[Work] = Batcher(mc.max_batch, mc.max_queue_delay_us, mc.preferred_batch_sizes,
                                          mc.max_queue_size, idle_below(mc, engine))
         runner = make_runner(view, engine, batcher, mc.streams, mc.instances, lone,
-                             GpuPolicy(mc.serial_compute, mc.fill_while_busy, mc.trim_to_sizes, mc.early_copies))
+                             GpuPolicy(mc.serial_compute, mc.fill_while_busy, mc.trim_to_sizes, mc.early_copies,
+                                       mc.trim_to_copies))
         if mc.warmup:
             prime(runner)
         served[model_id] = ServedModel(view, engine, runner)

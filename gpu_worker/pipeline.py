@@ -61,12 +61,13 @@ EARLY_CHUNK = 32
 @dataclass(frozen=True)
 class GpuPolicy:
     """How batches share the device: the config's ``serial_compute``, ``fill_while_busy``, ``trim_to_sizes``,
-    ``early_copies``."""
+    ``early_copies``, ``trim_to_copies``."""
 
     serial_compute: bool = True
     fill_while_busy: bool = True
     trim_to_sizes: bool = True
     early_copies: bool = False
+    trim_to_copies: bool = True
 
 
 DEFAULT_POLICY = GpuPolicy()
@@ -106,6 +107,9 @@ class PipelineRunner(BatchRunner):
         self.plan = (LaunchPlan(model.max_batch, self._expected_s, lead_rows=EARLY_CHUNK if self.early else 0)
                      if policy.fill_while_busy else None)
         self.trim_to_sizes = policy.trim_to_sizes  # see Batcher.fits
+        if self.plan is not None and policy.trim_to_copies and not self.early:
+            batcher.rows_in_time = self.plan.rows_in_time
+            batcher.min_rows = max(1, model.max_batch // 4)
         self._last_computed: cuda.Event | None = None  # the last launched batch's, with serial_compute
         self._on_device = threading.local()  # threads that made this runner's device current
         self.slots: list[StreamSlot] = []

@@ -524,6 +524,28 @@ def test_while_a_batch_runs_one_that_is_not_full_takes_the_largest_size_that_nee
     assert len(b) == 2
 
 
+def test_while_a_batch_runs_one_takes_only_the_rows_it_can_copy_in_before_the_device_runs_out() -> None:
+    b: Batcher[Queued[str]] = Batcher(8, 0, [], 100, idle_below=1)
+    b.fits = [1, 2, 4, 6, 8]
+    in_time: list[int | None] = [5]
+    b.rows_in_time = lambda now: in_time[0]
+    b.min_rows = 2
+    for name in "abcdefgh":
+        b.put(_entry(name))
+    idle = b.take_now()  # nothing runs: no bound, a full batch
+    assert idle is not None and _names(idle.batch) == list("abcdefgh")
+    for name in "ijklmnop":
+        b.put(_entry(name))
+    busy = b.take_now()  # five rows copy in time, and 4 is the largest prepared size within them
+    assert busy is not None and _names(busy.batch) == list("ijkl")
+    in_time[0] = 0  # the device is about to run out: the fewest rows still leave
+    late = b.take_now()
+    assert late is not None and _names(late.batch) == list("mn")
+    in_time[0] = None  # no estimate: no bound
+    rest = b.take_now()
+    assert rest is not None and _names(rest.batch) == list("op")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # take_more: a batch that fills on the device, its rows copied as they come
 # ---------------------------------------------------------------------------------------------------------
