@@ -156,3 +156,30 @@ def test_each_units_command_line_is_one_the_cli_takes(unit: str) -> None:
     assert argv[0] == "/usr/local/bin/shmbroker"
     args = build_parser().parse_args(argv[1:])  # SystemExit (exit 2, the option named) on an unknown option
     assert callable(args.fn)
+
+
+def test_each_units_documentation_is_a_file_the_install_steps_put_there() -> None:
+    """Every ``Documentation=`` of a unit names a file that DEPLOY.md's install steps install from the package,
+    which the wheel carries: the unit's documentation is on the box, network or not."""
+    import fnmatch
+    import re
+    import tomllib
+
+    import shmbroker
+
+    deploy = (REPO / "docs" / "DEPLOY.md").read_text()
+    shipped = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["shmbroker"]
+    package = Path(shmbroker.__file__).parent
+    for unit in sorted((REPO / "systemd").glob("*.service")):
+        cfg = configparser.ConfigParser(strict=False, interpolation=None)
+        cfg.read(unit)
+        uris = cfg["Unit"].get("Documentation", "").split()
+        assert uris, f"{unit.name}: no Documentation="
+        for uri in uris:
+            assert uri.startswith("file:/"), f"{unit.name}: {uri} is not a file on the box (man:, http:...)"
+            dest = uri.removeprefix("file:")
+            m = re.search(r'^install .*"\$pkg/(\S+)" ' + re.escape(dest) + r"\s", deploy, re.MULTILINE)
+            assert m, f"{unit.name}: DEPLOY.md's install steps do not install {dest} from the package"
+            source = m.group(1)
+            assert (package / source).is_file(), source
+            assert any(fnmatch.fnmatch(source, g) for g in shipped), f"the wheel does not carry {source}"
