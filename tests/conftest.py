@@ -23,6 +23,7 @@ import numpy as np
 import psutil
 import pytest
 import zmq
+from hypothesis import HealthCheck, settings
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common import ring
@@ -33,6 +34,11 @@ from shmbroker.client.receiving import Receiver
 from shmbroker.gpu_worker.sessions import WorkerSession
 from shmbroker.gpu_worker.work import Work
 from tests.hostdevice import HostDevice
+
+# No test may depend on the machine's speed: Hypothesis' per-example deadline (200 ms) and its too-slow check fail
+# correct tests on a loaded machine. A test's own @settings inherits this profile for what it does not name.
+settings.register_profile("shmbroker", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("shmbroker")
 
 CLI = [sys.executable, "-m", "shmbroker.broker.cli"]  # `shmbroker` of this checkout, in a child
 REPO = Path(__file__).resolve().parent.parent
