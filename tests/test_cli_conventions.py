@@ -146,9 +146,21 @@ def test_infer_reports_each_failed_file_and_goes_on(live: RunningBroker, tmp_pat
     assert [line.split("\t")[0] for line in r.stdout.splitlines()] == [str(p) for p in good]
     errors = r.stderr.splitlines()
     assert errors[0] == f"shmbroker: infer: {missing}: No such file or directory"
-    assert errors[1].startswith(f"shmbroker: infer: {text}: ")
+    assert errors[1] == f"shmbroker: infer: {text}: not an image (Could not decode image data: cannot identify " \
+                        "image file)", errors[1]  # the file, not the in-memory buffer PIL read it from
     assert errors[2] == "shmbroker: infer: 2 of 4 files failed"
     assert "Traceback" not in r.stderr
+
+    js = shmbroker("infer", "--json", str(good[0]), str(missing), str(text), str(good[1]),
+                   runtime_dir=live.runtime_dir)
+    assert js.returncode == 1 and js.stderr == "", js.stderr
+    doc = json.loads(js.stdout)  # one document: each file's scores or error, in the order given
+    assert (doc["model"], doc["failed"]) == ("nsfw", 2)
+    assert [f["file"] for f in doc["files"]] == [str(good[0]), str(missing), str(text), str(good[1])]
+    assert doc["files"][1] == {"file": str(missing), "error": "No such file or directory"}
+    assert doc["files"][2]["error"].startswith("not an image (")
+    for f, line in zip((doc["files"][0], doc["files"][3]), r.stdout.splitlines(), strict=True):
+        assert line == f"{f['file']}\tsfw={f['sfw']:.6f}\tnsfw={f['nsfw']:.6f}"
 
 
 def test_infer_names_an_unknown_model(live: RunningBroker, tmp_path: Path) -> None:
