@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import sys
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     # argparse names no public type for what add_subparsers() returns
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
+log = logging.getLogger(__name__)
 DIST = "shmbroker"
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -105,7 +107,7 @@ def _count(n: int, noun: str) -> str:
 
 def _summary(cfg: config.Config) -> str:
     devices = ", ".join(str(d) for d in cfg.worker.devices)
-    return (f"{cfg.source}: valid: {_count(len(cfg.models), 'model')} ({', '.join(sorted(cfg.models))}) on "
+    return (f"{_count(len(cfg.models), 'model')} ({', '.join(sorted(cfg.models))}) on "
             f"{_count(len(cfg.worker.devices), 'worker')} ({devices}), log level {cfg.broker.log_level}")
 
 
@@ -118,15 +120,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg.broker.log_level = args.log_level  # before the workers start: they log at the broker's level
     if args.check:
         check_models(cfg)
-        _out(_summary(cfg))
+        _out(f"{cfg.source}: valid: {_summary(cfg)}")
         return 0
     proc.name_process("shmb-broker")
     proc.setup_logging(cfg.broker.log_level)
     stop = threading.Event()
     proc.stop_on_signals(stop)
     notifier = Notifier.from_env()  # before any worker starts: they must not inherit NOTIFY_SOCKET
+    rd, how = ((Path(args.runtime_dir), "given with --runtime-dir") if args.runtime_dir
+               else runtime.resolve_why(cfg.broker.runtime_dir, server=True))
     try:
-        broker = Broker(cfg, Path(args.runtime_dir) if args.runtime_dir else None, notifier)
+        broker = Broker(cfg, rd, notifier)
+        log.info("shmbroker %s serving the runtime directory %s (%s), pid %d, config %s: %s", version(), rd, how,
+                 os.getpid(), cfg.source, _summary(cfg))
         broker.serve(stop)
     except RuntimeError as exc:
         _err(str(exc))

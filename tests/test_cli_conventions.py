@@ -169,6 +169,15 @@ def test_infer_names_an_unknown_model(live: RunningBroker, tmp_path: Path) -> No
     assert r.stderr == "shmbroker: infer: --model nope: not served; models are ['nsfw', 'tiny']\n"
 
 
+def test_serve_logs_a_start_line_with_its_config_and_runtime_directory(live: RunningBroker) -> None:
+    cfg = live.log_path.with_suffix(".toml")
+    starts = [line for line in live.log_path.read_text().splitlines() if " serving the runtime directory " in line]
+    assert len(starts) == 1, starts
+    assert " INFO " in starts[0] and starts[0].endswith(
+        f" serving the runtime directory {live.runtime_dir} (from $SHMBROKER_RUNTIME_DIR), pid {live.proc.pid}, "
+        f"config {cfg}: 2 models (nsfw, tiny) on 1 worker (cpu), log level INFO"), starts[0]
+
+
 def test_serve_log_level_overrides_the_config(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "broker.toml", models=TINY_ONLY)  # log_level = "INFO"
     log_path, rd = tmp_path / "broker.log", tmp_path / "run"
