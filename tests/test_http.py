@@ -24,7 +24,7 @@ import pytest
 import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import CLI, REPO, start_broker
+from tests.conftest import CLI, REPO, start_broker, wait_until
 from tests.frontends import Front, start_frontend
 from tests.models import direct
 
@@ -294,6 +294,31 @@ def test_a_broker_restart_makes_ready_503_then_serves_again(tmp_path: Path) -> N
         f.proc.send_signal(signal.SIGTERM)
         assert f.proc.wait(60) == 0
         assert b.stop() == 0, b.log()
+
+
+def test_a_front_end_that_waits_for_the_broker_warns_once_then_serves(tmp_path: Path) -> None:
+    """Started before the broker, it retries every second; the reason is logged at WARNING once (and again only
+    when it changes), each retry at DEBUG."""
+    log_path = tmp_path / "http.log"
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(tmp_path / "run"), PYTHONUNBUFFERED="1")
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen([*CLI, "http", "--workers", "1", "--port", "0", "--log-level", "DEBUG"], env=env,
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=logf, text=True)
+    b = None
+    try:
+        wait_until(lambda: log_path.read_text().count("still no session with the broker") >= 3, "three retries")
+        waiting = log_path.read_text()
+        warnings = [line for line in waiting.splitlines() if " WARNING " in line]
+        assert len(warnings) == 1 and "no session with the broker on" in warnings[0], warnings
+        b = start_broker(tmp_path, "process")  # the same runtime directory
+        assert proc.stdout is not None
+        assert "front-end processes ready on" in proc.stdout.readline(), log_path.read_text()[-4000:]
+        assert "session with the broker on" in log_path.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log_path.read_text()[-4000:]
+        if b is not None:
+            assert b.stop() == 0, b.log()
 
 
 def _http_unix(front: Front, path: Path) -> subprocess.CompletedProcess[str]:

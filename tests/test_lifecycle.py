@@ -112,7 +112,8 @@ def test_health_cli(process_broker, tmp_path: Path) -> None:
     env["SHMBROKER_RUNTIME_DIR"] = str(tmp_path / "nobody-here")
     bad = subprocess.run([*CLI, "health", "--wait", "0.5"], env=env, cwd=REPO,
                          capture_output=True, text=True, check=False)
-    assert bad.returncode == 2 and "no broker serves the runtime directory" in bad.stderr
+    assert bad.returncode == 2 and "no broker answered on the runtime directory" in bad.stderr, bad.stderr
+    assert "within --wait 0.5 s" in bad.stderr, bad.stderr
 
 
 def test_dead_worker_is_restarted_and_clients_are_told(process_broker) -> None:

@@ -83,6 +83,10 @@ def test_ready_after_warmup_watchdog_at_rate_and_stopping_on_sigterm(tmp_path: P
         # at the moment READY=1 arrives every model has passed warm-up and a probe through the data path
         health = ask_broker(runtime_dir, P.Health(0), 10)
         assert isinstance(health, P.HealthReply) and health.ready, health
+        # what a unit ordered After= this one (or its ExecStartPost=) runs: systemd starts it on READY=1
+        after_unit = subprocess.run([*CLI, "health"], env=dict(os.environ, SHMBROKER_RUNTIME_DIR=str(runtime_dir)),
+                                    cwd=REPO, capture_output=True, text=True, check=False, timeout=60)
+        assert after_unit.returncode == 0, after_unit.stderr
         assert http_status(f"http://127.0.0.1:{port}/health/ready") == 200
         assert pid == proc.pid and fields["READY"] == "1" and fields["STATUS"].startswith("ready")
         assert any(m.get("STATUS", "").startswith("starting") for m in before), before
