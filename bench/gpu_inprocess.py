@@ -39,9 +39,7 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 def load_device_engine(cfg: Config, model: str, device: int) -> DeviceEngine:
     mc = cfg.models[model]
-    engine = load_engine(mc.engine, model_source.resolve(cfg.model_path(model)), device=str(device),
-                         fp16=mc.fp16, cuda_graphs=mc.cuda_graphs, max_batch=mc.max_batch,
-                         null_compute_us=mc.null_compute_us)
+    engine = load_engine(mc.engine, model_source.resolve(cfg.model_path(model)), device=str(device), model=mc)
     if not callable(getattr(engine, "create_context", None)):
         raise RuntimeError(f"model {model!r}: engine {mc.engine!r} is not a GPU engine")
     return engine  # type: ignore[return-value]

@@ -39,10 +39,7 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
     served: dict[int, ServedModel] = {}
     for model_id, (name, mc) in enumerate(cfg.models.items()):
         t0 = time.monotonic()
-        engine = load_engine(
-            mc.engine, model_source.resolve(cfg.model_path(name)), device=device, intra_op_threads=mc.intra_op_threads,
-            fp16=mc.fp16, cuda_graphs=mc.cuda_graphs, max_batch=mc.max_batch, null_compute_us=mc.null_compute_us,
-        )
+        engine = load_engine(mc.engine, model_source.resolve(cfg.model_path(name)), device=device, model=mc)
         view = ModelView(model_id, name, mc.max_batch, engine.inputs, engine.outputs, mc.timeout_ms)
         lone = lone_engine(cfg, name)
         batcher: Batcher[Work] = Batcher(mc.max_batch, mc.max_queue_delay_us, mc.preferred_batch_sizes,

@@ -277,10 +277,10 @@ def free_port() -> int:
 
 
 def start_broker(tmp: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS,
-                 sessions: str = SESSIONS, max_fds: int = 0) -> RunningBroker:
+                 sessions: str = SESSIONS, max_fds: int = 0, env: dict[str, str] | None = None) -> RunningBroker:
     """Start ``shmbroker serve`` and return once every model is ready (the broker's HEALTH wait, no sleeps);
-    ``max_fds``: its RLIMIT_NOFILE (0: this process's)."""
-    b = launch_broker(tmp, mode, extra, models, sessions, max_fds)
+    ``max_fds``: its RLIMIT_NOFILE (0: this process's); ``env``: variables set for it."""
+    b = launch_broker(tmp, mode, extra, models, sessions, max_fds, env=env)
     reply = b.health(wait_s=90)
     if not reply.ready:
         b.stop()
@@ -290,13 +290,15 @@ def start_broker(tmp: Path, mode: str = "process", extra: str = "", models: str 
 
 
 def launch_broker(tmp: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS,
-                  sessions: str = SESSIONS, max_fds: int = 0, name: str = "broker") -> RunningBroker:
+                  sessions: str = SESSIONS, max_fds: int = 0, name: str = "broker",
+                  env: dict[str, str] | None = None) -> RunningBroker:
     """Start ``shmbroker serve`` on ``tmp/run`` and return at once (it may not listen yet); its config and log
-    are ``tmp/NAME.toml`` and ``tmp/NAME.log``, so that brokers one after another on one directory keep theirs."""
+    are ``tmp/NAME.toml`` and ``tmp/NAME.log``, so that brokers one after another on one directory keep theirs;
+    ``env``: variables set for it."""
     runtime_dir = tmp / "run"
     cfg = write_config(tmp / f"{name}.toml", mode, extra, models, sessions)
     log_path = tmp / f"{name}.log"
-    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(runtime_dir), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **(env or {}), SHMBROKER_RUNTIME_DIR=str(runtime_dir), PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as logf:
         limit = ["prlimit", f"--nofile={max_fds}:{max_fds}", "--"] if max_fds else []
         proc = subprocess.Popen([*limit, *CLI, "serve", "--config", str(cfg)],

@@ -183,7 +183,7 @@ def test_wrong_type_in_a_section() -> None:
         ({"max_queue_delay_us": -1}, "models.m.max_queue_delay_us", "Expected `int` >= 0"),
         ({"timeout_ms": 0}, "models.m.timeout_ms", "Expected `int` >= 1"),
         ({"preferred_batch_sizes": [2, 0]}, "models.m.preferred_batch_sizes[1]", "Expected `int` >= 1"),
-        ({"engine": "tvm"}, "models.m.engine", "Invalid enum value 'tvm'"),
+        ({"engine": "tvm"}, "models.m.engine", "unknown engine 'tvm': expected one of 'onnxruntime'"),
         ({"streams": 0}, "models.m.streams", "Expected `int` >= 1"),
         ({"streams": 17}, "models.m.streams", "Expected `int` <= 16"),
         ({"fp16": "yes"}, "models.m.fp16", "Expected `bool`, got `str`"),

@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from shmbroker.broker.common.engines import choices_text, engine_table
+
 # package data (shmbroker.configs), so a wheel carries it as a checkout does
 DEFAULT_CONFIG = Path(str(resources.files("shmbroker.configs").joinpath("default.toml"))).resolve()
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -69,7 +71,7 @@ class MonitoringSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     path: str
-    engine: Literal["onnxruntime", "torch", "inductor", "tensorrt", "null"] = "onnxruntime"
+    engine: str = "onnxruntime"  # a name of the engine table (broker/common/engines.py)
     max_batch: Annotated[int, Meta(ge=1, le=4096)] = 8
     max_queue_delay_us: Annotated[int, Meta(ge=0, le=10_000_000)] = 1000
     # a batch leaves at once, without max_queue_delay_us, while an engine instance (CPU) or the GPU is idle;
@@ -167,6 +169,9 @@ def _check(cfg: Config, source: str) -> None:
     for name, m in cfg.models.items():
         if not _NAME.match(name):
             raise ConfigError(f"{source}: key 'models.{name}': a model name is 1-64 of [A-Za-z0-9_.-]")
+        if m.engine not in engine_table():
+            raise ConfigError(f"{source}: key 'models.{name}.engine': unknown engine {m.engine!r}: expected one of "
+                              f"{choices_text()}")
         if m.engine == "inductor" and m.fp16:
             raise ConfigError(f"{source}: key 'models.{name}.fp16': an inductor package carries its own precision; "
                               "drop the key and build the package with shmbroker build --precision fp16")

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+from shmbroker.broker.common.engines import built_engines
+
 PRECISIONS = ("fp32", "fp16", "int8")
 CALIB_METHODS = ("entropy", "minmax", "percentile")
 PREPROCESS = ("imagenet", "opennsfw", "pixels")  # the keys of calibration.PREPROCESS
 HARDWARE_COMPAT = ("none", "ampere+")
-ENGINES = ("tensorrt", "inductor")
 DEFAULT_BATCH_SIZES = "1,8,32"
 
 
@@ -17,7 +18,7 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("model", help="the float32 ONNX model")
     ap.add_argument("-o", "--out", required=True,
                     help="output folder (created): converted ONNX, build record, plan or package")
-    ap.add_argument("--engine", choices=ENGINES, default="tensorrt",
+    ap.add_argument("--engine", choices=built_engines(), default="tensorrt",
                     help="tensorrt: a TensorRT plan (needs the full builder); inductor: an AOTInductor package "
                          "(needs PyTorch with CUDA and Triton)")
     ap.add_argument("--precision", choices=PRECISIONS, default="fp16",

@@ -69,6 +69,14 @@ class DeviceEngine(Engine, Protocol):
         ...
 
 
+def gpu_ordinal(device: int | None, kind: str) -> int:
+    """A GPU engine's device ordinal; EngineError naming the config key when the worker's device is the CPU."""
+    if device is None:
+        raise EngineError(f"engine {kind!r} runs on a GPU, but this worker's device is 'cpu': list GPU indices in "
+                          f"worker.devices (e.g. [0]) or use engine 'onnxruntime'")
+    return device
+
+
 def is_device_engine(engine: Engine) -> bool:
     """True for engines the GPU pipeline drives (they have ``create_context``)."""
     return callable(getattr(engine, "create_context", None))

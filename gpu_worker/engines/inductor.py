@@ -19,13 +19,16 @@ import os
 import re
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmbroker.gpu_worker.engines.base import EngineError
+from shmbroker.gpu_worker.engines.base import EngineError, gpu_ordinal
 from shmbroker.gpu_worker.engines.graphed import Body, GraphedContext, as_list, graph_ladder, torch_dtype, torch_module
 from shmbroker.gpu_worker.engines.meta import read_sidecar, specs_from_json
+
+if TYPE_CHECKING:
+    from shmbroker.broker.common.config import ModelSection
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,12 @@ def share_cxx_runtime() -> None:
 
 class InductorEngine:
     """An AOTInductor package on CUDA device ``device``; a DeviceEngine (see base.py) and a GraphedEngine."""
+
+    @classmethod
+    def from_config(cls, source: str | bytes, *, device: int | None, model: ModelSection) -> InductorEngine:
+        """The table's constructor: reads ``max_batch`` (checked against the package) and ``cuda_graphs``."""
+        return cls(source, device=gpu_ordinal(device, "inductor"), max_batch=model.max_batch,
+                   cuda_graphs=model.cuda_graphs)
 
     def __init__(self, source: str | bytes, *, device: int, max_batch: int = 0, cuda_graphs: bool = True) -> None:
         if isinstance(source, bytes) or not source.endswith(".pt2"):

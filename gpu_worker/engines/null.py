@@ -12,13 +12,16 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmbroker.gpu_worker.engines.base import EngineError, IOSpec
+from shmbroker.gpu_worker.engines.base import EngineError, IOSpec, gpu_ordinal
 from shmbroker.gpu_worker.engines.graphed import Body, GraphedContext, graph_ladder, torch_dtype, torch_module
 from shmbroker.gpu_worker.engines.meta import onnx_file_specs
+
+if TYPE_CHECKING:
+    from shmbroker.broker.common.config import ModelSection
 
 CALIBRATION_CYCLES = 2_000_000  # long enough that the launch is noise beside it
 
@@ -38,6 +41,12 @@ def expected_outputs(first_input: np.ndarray, outputs: Sequence[IOSpec]) -> list
 class NullEngine:
     """A DeviceEngine (base.py) and GraphedEngine (graphed.py) on CUDA device ``device`` whose every batch spins
     the device for ``compute_us`` microseconds. ``source``: an ONNX file, read for its inputs and outputs only."""
+
+    @classmethod
+    def from_config(cls, source: str | bytes, *, device: int | None, model: ModelSection) -> NullEngine:
+        """The table's constructor: reads ``null_compute_us`` and ``cuda_graphs``."""
+        return cls(source, device=gpu_ordinal(device, "null"), compute_us=model.null_compute_us,
+                   cuda_graphs=model.cuda_graphs)
 
     def __init__(self, source: str | bytes, *, device: int, compute_us: int, cuda_graphs: bool = True) -> None:
         if compute_us < 0:

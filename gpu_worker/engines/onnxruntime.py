@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
@@ -10,10 +11,18 @@ import onnxruntime as ort
 from shmbroker.gpu_worker.engines.base import EngineError
 from shmbroker.gpu_worker.engines.meta import spec_of
 
+if TYPE_CHECKING:
+    from shmbroker.broker.common.config import ModelSection
+
 log = logging.getLogger(__name__)
 
 class OnnxRuntimeEngine:
     """One InferenceSession on the CPU provider; ``run`` is thread-safe (ONNX Runtime allows concurrent runs)."""
+
+    @classmethod
+    def from_config(cls, source: str | bytes, *, device: int | None, model: ModelSection) -> OnnxRuntimeEngine:
+        """The table's constructor (broker/common/engines.py): reads ``intra_op_threads``; runs on the CPU."""
+        return cls(source, intra_op_threads=model.intra_op_threads)
 
     def __init__(self, source: str | bytes, *, intra_op_threads: int = 0, spin: bool = False) -> None:
         """``spin``: let ONNX Runtime's pool threads spin between and after parallel sections (its default)."""

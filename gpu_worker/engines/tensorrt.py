@@ -14,13 +14,16 @@ import logging
 import re
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shmbroker.gpu_worker import cuda
-from shmbroker.gpu_worker.engines.base import EngineError, IOSpec
+from shmbroker.gpu_worker.engines.base import EngineError, IOSpec, gpu_ordinal
 from shmbroker.gpu_worker.engines.meta import read_sidecar, spec_from_dims, specs_from_json
+
+if TYPE_CHECKING:
+    from shmbroker.broker.common.config import ModelSection
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +190,11 @@ class TensorRTEngine:
 
     IO dtypes are the plan's own (a plan built with fp32 IO takes fp32 whatever it computes in).
     """
+
+    @classmethod
+    def from_config(cls, source: str | bytes, *, device: int | None, model: ModelSection) -> TensorRTEngine:
+        """The table's constructor: reads ``max_batch`` (checked against the plan's first profile)."""
+        return cls(source, device=gpu_ordinal(device, "tensorrt"), max_batch=model.max_batch)
 
     def __init__(self, source: str | bytes, *, device: int, max_batch: int = 0) -> None:
         trt = import_tensorrt()

@@ -11,13 +11,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmbroker.gpu_worker.engines.base import EngineError, IOSpec
+from shmbroker.gpu_worker.engines.base import EngineError, IOSpec, gpu_ordinal
 from shmbroker.gpu_worker.engines.graphed import Body, GraphedContext, as_list, graph_ladder, torch_dtype, torch_module
 from shmbroker.gpu_worker.engines.meta import onnx_specs, read_sidecar, spec_from_dims, specs_from_json
+
+if TYPE_CHECKING:
+    from shmbroker.broker.common.config import ModelSection
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +167,11 @@ class TorchEngine:
     ``fp16``: the module runs in half precision; inputs are cast on the device and outputs cast back to the
     declared dtypes, so clients send and receive the same dtypes either way.
     """
+
+    @classmethod
+    def from_config(cls, source: str | bytes, *, device: int | None, model: ModelSection) -> TorchEngine:
+        """The table's constructor: reads ``fp16`` and ``cuda_graphs``."""
+        return cls(source, device=gpu_ordinal(device, "torch"), fp16=model.fp16, cuda_graphs=model.cuda_graphs)
 
     def __init__(self, source: str | bytes, *, device: int, fp16: bool = False, cuda_graphs: bool = True) -> None:
         torch = torch_module()
