@@ -35,14 +35,6 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 HEALTH_ANSWER_S = 2.0  # without --wait: how long a listening broker has to answer HEALTH
 _BUFFER_REPR = re.compile(r" ?<_io\.\w+ object at 0x[0-9a-f]+>")  # what PIL names when it reads from memory
 MODELS_ANSWER_S = 10.0  # without --wait: how long a listening broker has to answer the models' HELLO
-# options that the delegated modules (frontend, broker.modelbuild) add without help text; filled in here so that
-# every option of the command documents itself (help written there wins)
-_DELEGATED_HELP = {
-    "--log-level": "logging level: DEBUG, INFO (default), WARNING or ERROR",
-    "--calib-method": "int8 calibration method: entropy (default), minmax or percentile",
-    "--hardware-compat": "none (default): this GPU's architecture only; ampere+: any Ampere or later GPU",
-    "--preprocess": "how image files become model input (default: opennsfw, the nsfw model's)",
-}
 
 
 class CliError(Exception):
@@ -353,7 +345,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ap = argparse.ArgumentParser(prog="shmbroker bench", description="measure the broker against raw ZeroMQ and "
                                  "in-process limits (bench/README.md)")
     add_arguments(ap)
-    _fill_help(ap)
     return bench_main(ap.parse_args(args.options))
 
 
@@ -374,14 +365,6 @@ def _add_runtime_dir(p: argparse.ArgumentParser) -> None:
     # value given before the subcommand
     p.add_argument("--runtime-dir", dest="sub_runtime_dir", default="", metavar="DIR",
                    help="as --runtime-dir before the subcommand; this one wins when both are given")
-
-
-def _fill_help(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Give the options of ``p`` that have no help the text of _DELEGATED_HELP; returns ``p``."""
-    for action in p._actions:
-        if not action.help and action.option_strings:
-            action.help = _DELEGATED_HELP.get(action.option_strings[-1])
-    return p
 
 
 def _add_serve(sub: Subparsers) -> None:
@@ -434,27 +417,23 @@ def _add_queries(sub: Subparsers) -> None:
 
 def _add_delegated(sub: Subparsers) -> None:
     from shmbroker.broker.modelbuild.args import add_build_arguments, add_check_arguments
-    from shmbroker.frontend import inline_cli
-    from shmbroker.frontend import main as http_main
+    from shmbroker.frontend.commands import FRONTENDS
 
-    w = sub.add_parser("http", help="the KServe v2 / Triton HTTP front-end: N processes on one port")
-    http_main.add_arguments(w)
-    _add_runtime_dir(w)
-    _fill_help(w).set_defaults(fn=http_main.command)
-    n = sub.add_parser("inline", help="the inline gateway: tensors in ZeroMQ frames, for callers without shm")
-    inline_cli.add_arguments(n)
-    _add_runtime_dir(n)
-    _fill_help(n).set_defaults(fn=inline_cli.command)
+    for frontend in FRONTENDS:
+        f = sub.add_parser(frontend.NAME, help=frontend.HELP)
+        frontend.add_arguments(f)
+        _add_runtime_dir(f)
+        f.set_defaults(fn=frontend.command)
     b = sub.add_parser("bench", help="measure the broker against raw ZeroMQ and in-process limits", add_help=False)
     b.add_argument("options", nargs=argparse.REMAINDER,
                    help="the benchmark's options; `shmbroker bench -h` lists them (bench/README.md)")
     b.set_defaults(fn=cmd_bench)
     bd = sub.add_parser("build", help="ONNX to fp16/int8 ONNX and a TensorRT plan with its sidecar (offline)")
     add_build_arguments(bd)
-    _fill_help(bd).set_defaults(fn=cmd_build)
+    bd.set_defaults(fn=cmd_build)
     cp = sub.add_parser("check-precision", help="a converted model against the fp32 one on evaluation data")
     add_check_arguments(cp)
-    _fill_help(cp).set_defaults(fn=cmd_check_precision)
+    cp.set_defaults(fn=cmd_check_precision)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,8 @@ DEFAULT_MAX_PENDING = 256
 DEFAULT_MAX_PENDING_MIB = 512
 MAX_PENDING_MIB_LIMIT = 1 << 20  # 1 TiB: far past any machine, and within ZMQ_MAXMSGSIZE's int64
 CURVE_KEY_CHARS = 40  # a Z85 CURVE key
+NAME = "inline"  # the subcommand (frontend/commands.py)
+HELP = "the inline gateway: tensors in ZeroMQ frames, for callers without shm"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -39,7 +41,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="bytes of requests the gateway holds at once, in MiB; past it a request is answered "
                          "OVERLOADED at once, and a caller that sends a frame larger than it is disconnected "
                          f"unread (default {DEFAULT_MAX_PENDING_MIB})")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                    help="logging level (default INFO)")
 
 
 def secret_file_refusal(path: str) -> str:

@@ -215,6 +215,10 @@ class Frontends:
             self._sock.close()
 
 
+NAME = "http"  # the subcommand (frontend/commands.py)
+HELP = "the KServe v2 / Triton HTTP front-end: N processes on one port"
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workers", type=int, default=2,
                     help="front-end processes sharing the port's one listening socket (default 2)")
@@ -246,7 +250,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="ask every request but the health probes for 'Authorization: Bearer KEY', KEY being this "
                          "file's content (at least 16 characters); others than the file's owner and group may not "
                          "read or write it (chmod 640)")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                    help="logging level (default INFO)")
 
 
 def api_key(path: str) -> str:

@@ -24,7 +24,8 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--precision", choices=PRECISIONS, default="fp16",
                     help="fp16 (default), fp32, or int8 (tensorrt only, with --calib-data)")
     ap.add_argument("--calib-data", default="", help="int8: an image folder, a .npy or a .npz file")
-    ap.add_argument("--calib-method", choices=CALIB_METHODS, default="entropy")
+    ap.add_argument("--calib-method", choices=CALIB_METHODS, default="entropy",
+                    help="int8 calibration method: entropy (default), minmax or percentile")
     ap.add_argument("--preprocess", choices=PREPROCESS, default="opennsfw",
                     help="how image files become model input (default: opennsfw, the nsfw model's)")
     ap.add_argument("--profile", action="append", default=[], metavar="NAME:MIN,OPT,MAX",
@@ -34,7 +35,8 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workspace", type=int, default=1024, metavar="MIB", help="builder workspace pool limit")
     ap.add_argument("--timing-cache", default="", metavar="FILE", help="read before and written after the build")
     ap.add_argument("--version-compatible", action="store_true", help="a plan the lean runtime can run")
-    ap.add_argument("--hardware-compat", choices=HARDWARE_COMPAT, default="none")
+    ap.add_argument("--hardware-compat", choices=HARDWARE_COMPAT, default="none",
+                    help="none (default): this GPU's architecture only; ampere+: any Ampere or later GPU")
     ind = ap.add_argument_group("inductor", "options of --engine inductor")
     ind.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES, metavar="N,N,...",
                      help=f"one compiled model per batch bucket; a batch runs in the smallest bucket that holds it, "
@@ -54,7 +56,8 @@ def add_check_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("candidates", nargs="+", help="converted ONNX models (fp16, int8) to compare with it")
     ap.add_argument("--eval-data", required=True,
                     help="an image folder, a .npy or a .npz file, disjoint from the calibration data")
-    ap.add_argument("--preprocess", choices=PREPROCESS, default="opennsfw")
+    ap.add_argument("--preprocess", choices=PREPROCESS, default="opennsfw",
+                    help="how image files become model input (default: opennsfw, the nsfw model's)")
     ap.add_argument("--batch", type=int, default=8, help="rows per run")
     ap.add_argument("--seconds", type=float, default=2.0, help="throughput: run each model at least this long")
     ap.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
