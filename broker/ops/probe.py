@@ -1,25 +1,30 @@
 """Health probes: a one-row dummy inference per model, at an interval, through the real data path.
 
-The prober is a thread of the broker that holds an ordinary client session (``client.Client``): its probe
-takes a ring slot, is checked by a worker's intake, batched, run by the engine and answered with DONE like
-any request. A probe that passes proves more than a live worker process does: the engine still answers.
+The probes run in a child process of the broker, ``shmb-prober`` (broker/ops/prober_process.py), an ordinary
+client of the rings: its probe takes a ring slot, is checked by a worker's intake, batched, run by the engine
+and answered with DONE like any request. A probe that passes proves more than a live worker process does: the
+engine still answers. ``Prober`` (a thread of the broker) starts that process, reads its results and keeps
+each model's record; a prober process that exits fails every model's probe and is started again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+import msgspec
 
-from shmbroker.client import Client, ShmBrokerError
+from shmbroker.broker.common import protocol as P
 
 log = logging.getLogger(__name__)
 
-RETRY_S = 0.5  # wait before a new session when the last one could not be made
+RETRY_S = 0.5  # wait before starting a prober process again
 
 
 @dataclass
@@ -47,6 +52,7 @@ class Prober:
         self._lock = threading.Lock()
         self._states = {m: ProbeState() for m in self.models}
         self._stop = threading.Event()
+        self._child: subprocess.Popen[bytes] | None = None  # the prober process, owned by the thread
         self._thread = threading.Thread(target=self._loop, name="shmb-prober", daemon=True)
 
     def start(self) -> None:
@@ -57,7 +63,13 @@ class Prober:
         return self._thread.ident is not None
 
     def stop(self) -> None:
+        """End the prober process (SIGTERM: it closes its session) and the reading thread."""
         self._stop.set()
+        with self._lock:
+            child = self._child
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                child.terminate()
         if self.started:
             self._thread.join(timeout=self.timeout_s + 10)
 
@@ -90,37 +102,38 @@ class Prober:
                 s.last_error = ""
 
     def _loop(self) -> None:
-        client: Client | None = None
-        try:
-            while not self._stop.is_set():
-                if client is None:
-                    try:
-                        client = Client(self.runtime_dir, slots=2, max_items=1, connect_timeout=self.timeout_s,
-                                        name="shmb-prober", spin_us=0)
-                    except Exception as exc:  # noqa: BLE001 - any failure to open a session fails the probes
-                        log.warning("the prober could not open a session: %s: %s", type(exc).__name__, exc)
-                        for m in self.models:
-                            self._record(m, f"the prober could not open a session: {exc}")
-                        self._stop.wait(RETRY_S)
-                        continue
-                for m in self.models:
-                    self._probe(client, m)
-                self._stop.wait(self.interval_s)
-        finally:
-            if client is not None:
-                client.close()
+        while not self._stop.is_set():
+            child = self._spawn()
+            if self._stop.is_set():  # stop() ran before the process was recorded
+                child.terminate()
+            self._read(child)
+            code = child.wait()
+            if self._stop.is_set():
+                return
+            for m in self.models:
+                self._record(m, f"the prober process exited with code {code}")
+            log.warning("the prober process exited with code %s; starting another", code)
+            self._stop.wait(RETRY_S)
 
-    def _probe(self, client: Client, model: str) -> None:
-        plan = client.models.get(model)
-        if plan is None:
-            self._record(model, f"the broker's session does not list model {model!r}")
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "shmbroker.broker.ops.prober_process", "--runtime-dir", str(self.runtime_dir),
+               "--interval", str(self.interval_s), "--timeout", str(self.timeout_s),
+               "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()), *self.models]
+        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        with self._lock:
+            self._child = child
+        return child
+
+    def _read(self, child: subprocess.Popen[bytes]) -> None:
+        """Record each result line until the process's stdout closes."""
+        if child.stdout is None:
             return
-        feeds = {s.name: np.zeros((1, *shape), dt)
-                 for s, shape, dt in zip(plan.info.inputs, plan.in_item_shapes, plan.in_dtypes, strict=True)}
-        try:
-            client.infer(model, feeds, timeout=self.timeout_s)
-        except ShmBrokerError as exc:
-            log.warning("health probe of model %s failed: %s: %s", model, type(exc).__name__, exc)
-            self._record(model, f"probe failed: {type(exc).__name__}: {exc}")
-            return
-        self._record(model, "")
+        decoder = msgspec.json.Decoder(P.ProbeResult)
+        for line in child.stdout:
+            try:
+                result = decoder.decode(line)
+            except msgspec.DecodeError as exc:
+                log.error("the prober process wrote a line that is no ProbeResult: %s", exc)
+                continue
+            if result.model in self._states:
+                self._record(result.model, result.error)
