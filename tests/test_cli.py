@@ -101,7 +101,7 @@ def test_a_command_whose_extra_is_missing_names_the_extra(monkeypatch: pytest.Mo
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aiohttp" else real(name, *a))
-    with pytest.raises(cli.CliError, match=r"`shmbroker http` needs the \[http\] extra .*no aiohttp.*"
+    with pytest.raises(cli.CliError, match=r"`shmbroker http` needs the \[http\] extra, .*no aiohttp.*"
                                            r"pip install 'shmbroker\[http\]'"):
         cli.require_extra("http")
     cli.require_extra("serve")  # this checkout has the rest
