@@ -5,6 +5,8 @@ answered TIMEOUT; a CURVE secret key others may read is refused, and TCP without
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +18,8 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REQUEST
@@ -47,6 +51,19 @@ def _header(rid: Any, **fields: Any) -> bytes:
 def _one(rid: Any, **tensor: Any) -> bytes:
     """A header with one input, ``tensor`` replacing its fields."""
     return _header(rid, inputs=[{"name": "x", "dtype": "float32", "shape": [1, 256], **tensor}])
+
+
+def _nested(depth: int, kind: str = "list") -> bytes:
+    """A JSON value nested ``depth`` deep, of lists or of objects; built as bytes, as no encoder recurses so far."""
+    if kind == "list":
+        return b"[" * depth + b"]" * depth
+    return b'{"a":' * depth + b"1" + b"}" * depth
+
+
+def _padded(rid: Any, pad: bytes, first: bool = False) -> bytes:
+    """A tiny request's header with a member ``pad`` of raw JSON bytes, last (or ``first``)."""
+    head = _header(rid)
+    return b'{"pad":' + pad + b"," + head[1:] if first else head[:-1] + b',"pad":' + pad + b"}"
 
 
 REQ = inline_envelope(INLINE_REQUEST)
@@ -89,6 +106,18 @@ CASES: list[tuple[str, list[bytes], int, str, str]] = [
     ("unknown_model", [REQ, _header(129, model="nope"), DATA], 129, "UNKNOWN_MODEL", "'nope'"),
     ("input_not_the_models", [REQ, _one(130, name="y"), DATA], 130, "BAD_INPUT", "'y'"),
     ("dtype_not_the_models", [REQ, _one(131, dtype="float64"), DATA + DATA], 131, "BAD_DTYPE", "dtype"),
+    # nesting past what the decoder's recursion takes, refused before it decodes, with the id read around it
+    ("lists_nested_1000_deep", [REQ, _padded(134, _nested(1000)), DATA], 134, "BAD_MESSAGE", "nested 1001 deep"),
+    ("objects_nested_5000_deep", [REQ, _padded(135, _nested(5000, "object")), DATA], 135, "BAD_MESSAGE",
+     "header: nested"),
+    ("id_after_the_nesting", [REQ, _padded(136, _nested(1000), first=True), DATA], 136, "BAD_MESSAGE", "nested"),
+    ("id_nested_1000_deep", [REQ, _header(0)[:-1] + b',"id":' + _nested(1000) + b"}", DATA], 0, "BAD_MESSAGE",
+     "nested"),
+    ("header_nested_30000_deep", [REQ, _nested(30_000), DATA], 0, "BAD_MESSAGE", "nested 30000 deep"),
+    ("nesting_never_closed", [REQ, b'{"id":137,"pad":' + b"[" * 5000, DATA], 0, "BAD_MESSAGE", "header"),
+    ("nested_and_too_large", [REQ, _padded(138, _nested(40_000)), DATA], 138, "BAD_MESSAGE", "header"),
+    ("nested_envelope_wrong", [inline_envelope(99), _padded(139, _nested(1000)), DATA], 139, "BAD_MESSAGE",
+     "envelope"),
 ]
 
 
@@ -119,6 +148,112 @@ def test_a_malformed_request_gets_exactly_one_reply_with_its_id(
     with open(log_path, "rb") as fh:
         fh.seek(logged)
         assert b"Traceback" not in fh.read()  # what this request made the gateway log
+
+
+# -- fuzzed headers: each message one reply, with the id whenever the header is a JSON object with an integer id
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                max_size=3), max_leaves=8)
+_DEEP = st.builds(_nested, st.integers(1, 12_000), st.sampled_from(["list", "object"]))
+_VALUE = _JSON.map(msgspec.json.encode) | _DEEP  # raw JSON bytes: a shallow value, or one nested past any limit
+_IDS = st.integers(-(2**63), 2**64 - 1)
+_NO_ID = _VALUE.filter(lambda v: not v.lstrip(b"-").isdigit())  # anything but an integer of 64 bits, or nothing
+_TINY_INPUTS = msgspec.json.encode([{"name": "x", "dtype": "float32", "shape": [1, 256]}])
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is no JSON")
+
+
+def _ids_after_a_change(header: bytes, written: int) -> set[int]:
+    """The ids a reply to a header with bytes cut or changed may carry: 0, the id written, or the id the header
+    now holds (a change can make another integer of the id, or a key "id" of another one)."""
+    ids = {0, written}
+    with contextlib.suppress(ValueError, RecursionError):  # not UTF-8, not JSON, or too deep for the json module
+        head = json.loads(header.decode(), parse_constant=_no_constant)  # strict: no NaN or Infinity
+        if isinstance(head, dict) and isinstance(head.get("id"), int):
+            ids.add(head["id"])
+    return ids
+
+
+@st.composite
+def fuzzed_request(draw: st.DrawFn) -> tuple[list[bytes], int | None, int]:
+    """(frames, the id the reply must carry or None when bytes of the header were changed, the id written): a
+    header object whose members are each the right value, a wrong one, or one nested thousands deep, maybe with
+    bytes of it cut or changed; an envelope and data frames that may be wrong too."""
+    rid = draw(_IDS | st.none())  # None: no integer id
+    fields: dict[bytes, bytes] = {
+        b"id": msgspec.json.encode(rid) if rid is not None else draw(_NO_ID),
+        b"model": draw(st.sampled_from([b'"tiny"']) | _VALUE),
+        b"inputs": draw(st.sampled_from([_TINY_INPUTS]) | _VALUE),
+    }
+    if rid is None and draw(st.booleans()):
+        del fields[b"id"]
+    for key in draw(st.lists(st.sampled_from([b"timeout_us", b"pad", b"meta", b"x"]), max_size=3, unique=True)):
+        fields[key] = draw(_VALUE)
+    members = [b'"' + k + b'":' + v for k, v in fields.items()]
+    header = b"{" + b",".join(draw(st.permutations(members))) + b"}"
+    expect: int | None = rid if rid is not None else 0
+    if draw(st.integers(0, 3)) == 0:  # bytes cut or changed: the id is read or not, depending on what is left
+        cut = draw(st.integers(0, len(header)))
+        header = header[:cut] + draw(st.binary(max_size=4)) + header[cut + draw(st.integers(0, 3)):]
+        expect = None
+    envelope = draw(st.sampled_from([REQ, REQ, REQ, inline_envelope(99), b"\x01"]))
+    data = [DATA] * draw(st.integers(0, 2))
+    return [envelope, header, *data], expect, rid or 0
+
+
+def test_fuzzed_headers_each_get_exactly_one_reply_with_their_id(
+        gateway: tuple[RunningBroker, list[str], Path]) -> None:
+    """Hundreds of fuzzed requests, one at a time on one DEALER: each gets exactly one reply, the next one, with
+    its id when the header has one; none is a fault of the gateway's (INTERNAL) or logs a traceback; the
+    gateway serves a correct request after them."""
+    _b, endpoints, log_path = gateway
+    logged = log_path.stat().st_size
+    with inline_dealer(endpoints[0]) as sock:
+
+        @settings(max_examples=300, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(fuzzed_request())
+        def one(case: tuple[list[bytes], int | None, int]) -> None:
+            frames, expect, written = case
+            sock.send_multipart(frames)
+            (head,) = inline_replies(sock, 1, 30_000)
+            if expect is None:
+                assert head["id"] in _ids_after_a_change(frames[1], written), (head, frames[1][:200])
+            else:
+                assert head["id"] == expect, (head, frames[1][:200])
+            assert head["status"] != "INTERNAL" and (head["status"] == "OK" or head["message"]), head
+
+        one()
+        assert next_is_only(sock, GOOD_ID)["status"] == "OK"
+    with open(log_path, "rb") as fh:
+        fh.seek(logged)
+        assert b"Traceback" not in fh.read()
+
+
+def test_a_nested_header_past_the_cap_is_answered_overloaded_with_its_id(tmp_path: Path) -> None:
+    """With --max-pending 1 held by a request the stopped worker cannot answer, a header nested 1000 deep is
+    answered OVERLOADED at once, with its id read around the nesting; then the held one is answered OK."""
+    with broker_with_gateway(tmp_path, "--max-pending", "1") as (b, endpoints), inline_dealer(endpoints[0]) as sock:
+        assert next_is_only(sock, 1)["status"] == "OK"
+        with b.workers_stopped():
+            sock.send_multipart(tiny_request(2, timeout_us=120_000_000))
+            sock.send_multipart([REQ, _padded(3, _nested(1000)), DATA])
+            (refused,) = inline_replies(sock, 1)
+        assert (refused["id"], refused["status"]) == (3, "OVERLOADED"), refused
+        (held,) = inline_replies(sock, 1)
+        assert (held["id"], held["status"]) == (2, "OK"), held
+        assert next_is_only(sock, 4)["status"] == "OK"
+
+
+def test_brackets_inside_strings_are_not_nesting(gateway: tuple[RunningBroker, list[str], Path]) -> None:
+    """A correct request with a member whose string holds thousands of brackets (and escaped quotes) is served."""
+    _b, endpoints, _log = gateway
+    with inline_dealer(endpoints[0]) as sock:
+        sock.send_multipart([REQ, _padded(5, msgspec.json.encode('\\"' + "[{" * 5000)), DATA])
+        (head,) = inline_replies(sock, 1)
+        assert (head["id"], head["status"]) == (5, "OK"), head
 
 
 def test_past_max_pending_requests_are_overloaded_and_each_gets_one_reply(tmp_path: Path) -> None:
