@@ -5,7 +5,8 @@ ROUTER; the gateway, a ring client of the broker like the HTTP front-end (one ``
 copies the frames into a ring slot, and answers ``[envelope(INLINE_REPLY), JSON header, one frame per
 output]``. The shared-memory fast path is untouched: workers and the broker see an ordinary session.
 Endpoints: ``ipc://<runtime_dir>/inline.sock`` always; ``tcp://...`` only with ``--tcp`` and then only
-with CURVE (``--curve-secret-file``; ``--curve-clients DIR`` limits callers to the public keys in DIR).
+with CURVE (``--curve-secret-file``) and either ``--curve-clients DIR``, which limits callers to the public keys in
+DIR, or ``--curve-any-client``, which serves any key pair.
 Every message gets exactly one reply, with its request's id whenever the header has one; the gateway holds at
 most ``--max-pending`` requests and ``--max-pending-mib`` of their bytes, and answers one more OVERLOADED at once.
 One gateway per runtime directory: it holds an flock on ``inline.lock`` beside its socket for its whole life,
@@ -549,18 +550,19 @@ async def serve(args: argparse.Namespace, on_ready: Callable[[list[str]], None])
     ctx = zmq.asyncio.Context()
     auth = None
     try:
-        if args.curve_clients:
+        if args.tcp and args.curve_clients:
             from zmq.auth.asyncio import AsyncioAuthenticator
 
             auth = AsyncioAuthenticator(ctx)  # ZAP: only the public keys in the directory may connect over TCP
             auth.start()
             auth.configure_curve(domain="*", location=args.curve_clients)
-        elif args.tcp:
-            # A warning, not a refusal: CURVE alone still encrypts and authenticates the server, and a gateway on
-            # a closed network whose public key only its callers hold is a working set-up that a refusal would
-            # stop at the upgrade. But the public key is not a secret by design, so say loudly who is served.
-            log.warning("--tcp %s without --curve-clients: any caller that knows this server's public key is "
-                        "served; name the callers' public keys with --curve-clients DIR (docs/DEPLOY.md)", args.tcp)
+            keys = len(auth.certs.get("*", {}))
+            log.log(logging.INFO if keys else logging.WARNING, "--tcp %s: the public keys in --curve-clients %s may "
+                    "connect (%d%s)", args.tcp, args.curve_clients, keys, "" if keys else ": no caller can")
+        elif args.tcp:  # --curve-any-client: the command refuses --tcp with neither
+            log.warning("--tcp %s with --curve-any-client: any caller that knows this server's public key is "
+                        "served, with any key pair; name the callers' public keys with --curve-clients DIR instead "
+                        "(docs/DEPLOY.md)", args.tcp)
         ipc = _router(ctx, args.max_pending_mib * MIB)
         endpoints = [runtime.endpoint(rd, SOCKET_NAME)]
         ipc.bind(endpoints[0])

@@ -1,7 +1,8 @@
 """Hostile callers of the inline gateway (`shmbroker inline`), against a live broker with real processes: each
 malformed request gets exactly one reply naming its id; requests past --max-pending are answered OVERLOADED at
 once while the worker is stopped, and every request accepted is answered once; a request whose wait ends is
-answered TIMEOUT; a CURVE secret key others may read is refused, and TCP without --curve-clients is warned of."""
+answered TIMEOUT; a CURVE secret key others may read is refused, and TCP needs --curve-clients or, said outright,
+--curve-any-client."""
 
 from __future__ import annotations
 
@@ -327,23 +328,52 @@ def _curve_keys(tmp: Path, mode: int) -> tuple[bytes, Path]:
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604], ids=oct)
 def test_a_curve_secret_key_others_may_read_is_refused(tmp_path: Path, mode: int) -> None:
     _public, key = _curve_keys(tmp_path, mode)
-    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(tmp_path / "run"))
-    r = subprocess.run([*CLI, "inline", "--tcp", "tcp://127.0.0.1:*",
-                        "--curve-secret-file", str(key)], env=env, cwd=REPO, capture_output=True, text=True,
-                       timeout=60, check=False)
+    r = _inline_exit(tmp_path, "--tcp", "tcp://127.0.0.1:*", "--curve-secret-file", str(key), "--curve-any-client")
     assert r.returncode == 2, r.stderr
     assert str(key) in r.stderr and f"mode {mode:04o}" in r.stderr and "chmod 600" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_tcp_without_curve_clients_is_warned_of_at_start(tmp_path: Path) -> None:
-    """A 0600 key is taken; without --curve-clients the log says that any caller knowing the public key is
-    served, and names the option; such a caller, with a key pair of its own, is indeed served."""
+def _inline_exit(tmp: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """`shmbroker inline OPTIONS` with no broker to find: an option it refuses ends it first, exit 2."""
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(tmp / "run"))
+    return subprocess.run([*CLI, "inline", *options], env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    pytest.param([], ["--curve-clients", "--curve-any-client"], id="neither"),
+    pytest.param(["--curve-clients", "CLIENTS", "--curve-any-client"], ["--curve-clients", "--curve-any-client"],
+                 id="both"),
+    pytest.param(["--curve-clients", "MISSING"], ["--curve-clients", "no such directory"], id="no_directory"),
+])
+def test_tcp_without_a_decision_on_who_may_connect_is_refused(tmp_path: Path, options: list[str],
+                                                               named: list[str]) -> None:
+    """--tcp serves only with --curve-clients DIR (an allow-list) or --curve-any-client, exactly one, else exit 2
+    naming both; CURVE alone would serve any caller's key pair."""
+    _public, key = _curve_keys(tmp_path, 0o600)
+    (tmp_path / "clients").mkdir()
+    paths = {"CLIENTS": str(tmp_path / "clients"), "MISSING": str(tmp_path / "missing")}
+    r = _inline_exit(tmp_path, "--tcp", "tcp://127.0.0.1:*", "--curve-secret-file", str(key),
+                     *(paths.get(o, o) for o in options))
+    assert r.returncode == 2, r.stderr
+    assert all(n in r.stderr for n in named) and "Traceback" not in r.stderr, r.stderr
+
+
+def test_curve_any_client_without_tcp_is_refused(tmp_path: Path) -> None:
+    r = _inline_exit(tmp_path, "--curve-any-client")
+    assert r.returncode == 2 and "--curve-any-client: applies to --tcp only" in r.stderr, r.stderr
+
+
+def test_tcp_with_curve_any_client_serves_any_key_pair_and_says_so(tmp_path: Path) -> None:
+    """--curve-any-client, said outright: the log warns that any caller knowing the public key is served, and
+    names --curve-clients; such a caller, with a key pair of its own, is indeed served."""
     public, key = _curve_keys(tmp_path, 0o600)
-    with broker_with_gateway(tmp_path, "--tcp", "tcp://127.0.0.1:*", "--curve-secret-file", str(key)) as (
-            _b, endpoints):
+    with broker_with_gateway(tmp_path, "--tcp", "tcp://127.0.0.1:*", "--curve-secret-file", str(key),
+                             "--curve-any-client") as (_b, endpoints):
         warnings = [line for line in (tmp_path / "inline.log").read_text().splitlines() if "WARNING" in line]
-        assert any("--curve-clients" in line and "public key" in line for line in warnings), warnings
+        assert any("--curve-any-client" in line and "--curve-clients" in line and "public key" in line
+                   for line in warnings), warnings
         tcp = next(e for e in endpoints if e.startswith("tcp://"))
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
