@@ -5,7 +5,8 @@ ROUTER; the gateway, a ring client of the broker like the HTTP front-end (one ``
 copies the frames into a ring slot, and answers ``[envelope(INLINE_REPLY), JSON header, one frame per
 output]``. The shared-memory fast path is untouched: workers and the broker see an ordinary session.
 Endpoints: ``ipc://<runtime_dir>/inline.sock`` always; ``tcp://...`` only with ``--tcp`` and then only
-with CURVE (``--curve-secret-file``; ``--curve-clients DIR`` limits callers to the public keys in DIR).
+with CURVE (``--curve-secret-file``) and either ``--curve-clients DIR``, which limits callers to the public keys in
+DIR, or ``--curve-any-client``, which serves any key pair.
 Every message gets exactly one reply, with its request's id whenever the header has one; the gateway holds at
 most ``--max-pending`` requests and ``--max-pending-mib`` of their bytes, and answers one more OVERLOADED at once.
 One gateway per runtime directory: it holds an flock on ``inline.lock`` beside its socket for its whole life,
@@ -98,6 +99,12 @@ _ID_RANGE = range(-(2**63), 2**64)  # ids of 64 bits, signed or unsigned: what a
 _MAX_DIM = 2**63 - 1  # a dimension past int64 fits no array and no tensor descriptor
 MAX_TIMEOUT_US = 0xFFFF_FFFF  # timeout_us is a u32 in the SUBMIT it becomes
 MAX_HEADER_BYTES = 65536  # a header of a model with hundreds of inputs fits; one of millions would cost memory
+# Section 10's header nests 4 deep (the object, inputs, an input, its shape); deeper is refused before the decoder
+# sees it, as msgspec recurses once a level and a few hundred levels reach Python's recursion limit.
+MAX_HEADER_DEPTH = 32
+MAX_ID_READ_BYTES = 1 << 20  # a header frame larger than this is not read even for its id: it costs the loop time
+_OPEN_LIST, _CLOSE_LIST, _OPEN_OBJECT, _CLOSE_OBJECT = b"[]{}"
+_QUOTE, _BACKSLASH, _ZERO = b'"\\0'
 
 
 def _clip(text: str, limit: int = 64) -> str:
@@ -121,17 +128,60 @@ class BadMessage(Refused):
     """A Refused whose code is BAD_MESSAGE: the request does not follow section 10."""
 
 
+def _depths(header: bytes) -> np.ndarray | None:
+    """The nesting depth after each byte of ``header``, counting the brackets outside JSON strings; None when it
+    has too few brackets to pass MAX_HEADER_DEPTH, which is every ordinary header."""
+    if header.count(b"[") + header.count(b"{") <= MAX_HEADER_DEPTH:
+        return None
+    b = np.frombuffer(header, np.uint8)
+    quotes = b == _QUOTE
+    if b"\\" in header:
+        # A quote is escaped when an odd run of backslashes precedes it. Outside strings a backslash is no JSON,
+        # and the decoder stops there, before any depth this scan could miss.
+        n = np.arange(b.size, dtype=np.int32)
+        last_other = np.maximum.accumulate(np.where(b == _BACKSLASH, np.int32(-1), n))  # at or before i
+        run_before = np.zeros_like(n)  # backslashes just before byte i
+        run_before[1:] = n[:-1] - last_other[:-1]
+        quotes &= run_before % 2 == 0
+    # inside a string: after an opening quote, up to its closing one
+    in_string = (np.bitwise_xor.accumulate(quotes.view(np.uint8)) ^ quotes).view(bool)
+    step = ((b == _OPEN_LIST) | (b == _OPEN_OBJECT)).astype(np.int32) - ((b == _CLOSE_LIST) | (b == _CLOSE_OBJECT))
+    step[in_string] = 0
+    return np.cumsum(step, dtype=np.int32)
+
+
+def _top_level(header: bytes, depths: np.ndarray) -> bytes:
+    """``header`` with each value nested in a member of its top level replaced by ``0``: its top-level fields
+    (the id among them) read as before, and it nests at most 1 deep."""
+    step = np.diff(depths, prepend=0)
+    nested = np.maximum(depths, depths - step) >= 2  # a byte of a container inside the top-level one
+    first = nested & ~np.concatenate(([False], nested[:-1]))
+    b = np.frombuffer(header, np.uint8)
+    kept: np.ndarray = np.where(first, _ZERO, b)[~nested | first]
+    return kept.tobytes()
+
+
 def _header_id(header: bytes) -> int:
-    """The header's integer ``id`` when it has one of 64 bits, even if the rest of it is wrong; else 0."""
+    """The header's integer ``id`` when it has one of 64 bits, even if the rest of it is wrong (nested past
+    MAX_HEADER_DEPTH included); else 0. Never raises: every reply of a refusal calls it."""
+    if len(header) > MAX_ID_READ_BYTES:
+        return 0
     try:
+        depths = _depths(header)
+        if depths is not None and depths.max() > MAX_HEADER_DEPTH:
+            header = _top_level(header, depths)
         rid = _DECODE_ID.decode(header).id
     except msgspec.DecodeError:
+        return 0
+    except Exception:  # a fault of this reader's must not cost the reply it is for
+        log.exception("reading the id of a header of %d bytes failed", len(header))
         return 0
     return rid if rid in _ID_RANGE else 0
 
 
 def request_id(frames: list[bytes]) -> int:
-    """The id of a message's header frame when it has a readable one, whatever else is wrong with it; else 0."""
+    """The id of a message's header frame when it has a readable one, whatever else is wrong with it; else 0.
+    Never raises."""
     return _header_id(frames[1]) if len(frames) >= 2 else 0  # envelope, header
 
 
@@ -152,6 +202,10 @@ def decode_request(frames: list[bytes], models: Mapping[str, ModelPlan],
     if len(frames[1]) > MAX_HEADER_BYTES:  # decoded, a header takes a few times its size: bound it first
         raise BadMessage(f"header: {len(frames[1])} bytes, expected at most {MAX_HEADER_BYTES}",
                          _header_id(frames[1]))
+    depths = _depths(frames[1])
+    if depths is not None and (deepest := int(depths.max())) > MAX_HEADER_DEPTH:
+        raise BadMessage(f"header: nested {deepest} deep, expected at most {MAX_HEADER_DEPTH} (a request's "
+                         f"header nests 4 deep)", _header_id(frames[1]))
     try:
         req = _DECODE.decode(frames[1])
     except msgspec.DecodeError as exc:
@@ -250,6 +304,12 @@ def reply_frames(rid: int, status: str, message: str = "", outputs: dict[str, np
             *(np.ascontiguousarray(a).data for a in outs.values())]
 
 
+def _internal_reply(rid: int, exc: BaseException) -> list[bytes]:
+    """The frames of an INTERNAL reply to request ``rid``, a fault of the gateway's; they cannot fail to build."""
+    message = f"the gateway failed on this request ({type(exc).__name__}); its log has the details"
+    return [P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_REPLY), _ENCODE.encode(InlineReply(rid, "INTERNAL", message))]
+
+
 def _size(frames: list[bytes]) -> int:
     return sum(len(f) for f in frames)
 
@@ -330,35 +390,37 @@ class Gateway:
                             timeout)
 
     async def _answer(self, sock: zmq.asyncio.Socket, ident: bytes, frames: list[bytes], size: int) -> None:
-        """One reply to one accepted message of ``size`` bytes, whatever it holds; ``held`` and ``held_bytes``
-        drop once nothing of it is left."""
+        """One reply to one accepted message of ``size`` bytes, whatever it holds or whatever fails on it;
+        ``held`` and ``held_bytes`` drop once nothing of it is left."""
         inner: asyncio.Future[Any] | None = None
-        rid = 0
-        status = "OK"
         try:
-            if _asks_models(frames):
-                answer = InlineModelsReply([p.info for p in self.client.models.values()],
-                                           self.client.client.max_items)
-                reply = [P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_MODELS_REPLY), _ENCODE.encode(answer)]
-            else:
-                req, arrays = decode_request(frames, self.client.models, self.client.client.max_items)
-                rid = req.id
-                reply, status, inner = await self._infer(req, arrays)
-        except Refused as exc:
-            rid, status = exc.rid, exc.code
-            reply = reply_frames(rid, status, str(exc))
-        except ShmBrokerError as exc:
-            status = exc.code
-            reply = reply_frames(rid, status, exc.message)
+            rid, status, reply, inner = await self._reply(frames)
         except Exception as exc:  # a fault of the gateway's must cost neither this reply nor the receive loop
+            rid = request_id(frames)
             log.exception("request %d: the gateway failed on it", rid)
-            rid, status = rid or request_id(frames), "INTERNAL"
-            reply = reply_frames(rid, status, f"the gateway failed on this request: {exc!r}")
-        await self._send(sock, ident, rid, status, reply)
-        if inner is None:
-            self._release(size)
-        else:
-            inner.add_done_callback(lambda f: self._inner_over(f, size))
+            status, reply = "INTERNAL", _internal_reply(rid, exc)
+        try:
+            await self._send(sock, ident, rid, status, reply)
+        finally:
+            if inner is None:
+                self._release(size)
+            else:
+                inner.add_done_callback(lambda f: self._inner_over(f, size))
+
+    async def _reply(self, frames: list[bytes]) -> tuple[int, str, list[Any], asyncio.Future[Any] | None]:
+        """The id, status and frames of a message's reply, and the session call when it is still running."""
+        if _asks_models(frames):
+            answer = InlineModelsReply([p.info for p in self.client.models.values()], self.client.client.max_items)
+            return 0, "OK", [P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_MODELS_REPLY), _ENCODE.encode(answer)], None
+        try:
+            req, arrays = decode_request(frames, self.client.models, self.client.client.max_items)
+        except Refused as exc:
+            return exc.rid, exc.code, reply_frames(exc.rid, exc.code, str(exc)), None
+        try:
+            reply, status, inner = await self._infer(req, arrays)
+        except ShmBrokerError as exc:
+            return req.id, exc.code, reply_frames(req.id, exc.code, exc.message), None
+        return req.id, status, reply, inner
 
     async def _infer(self, req: InlineRequest,
                      arrays: dict[str, np.ndarray]) -> tuple[list[Any], str, asyncio.Future[Any] | None]:
@@ -398,7 +460,8 @@ class Gateway:
 
     async def _send(self, sock: zmq.asyncio.Socket, ident: bytes, rid: int, status: str, reply: list[Any]) -> None:
         """Send without waiting: ROUTER_MANDATORY makes a reply ZeroMQ cannot deliver an error, logged here, where
-        a ROUTER would otherwise drop it without a word."""
+        a ROUTER would otherwise drop it without a word. A reply whose frames cannot be sent (a fault of the
+        gateway's) is replaced by an INTERNAL one, which can, so the caller still gets its one reply."""
         try:
             await sock.send_multipart([ident, *reply], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -406,6 +469,11 @@ class Gateway:
                                       "replies)", rid, status)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the caller disconnected before its answer
             self._undelivered.warning("request %d: %s reply not delivered: %s", rid, status, exc)
+        except Exception as exc:
+            if status == "INTERNAL":
+                raise  # _internal_reply's frames are bytes; this is past recovery
+            log.exception("request %d: its %s reply could not be sent", rid, status)
+            await self._send(sock, ident, rid, "INTERNAL", _internal_reply(rid, exc))
 
 
 class GatewayRefused(RuntimeError):
@@ -482,18 +550,19 @@ async def serve(args: argparse.Namespace, on_ready: Callable[[list[str]], None])
     ctx = zmq.asyncio.Context()
     auth = None
     try:
-        if args.curve_clients:
+        if args.tcp and args.curve_clients:
             from zmq.auth.asyncio import AsyncioAuthenticator
 
             auth = AsyncioAuthenticator(ctx)  # ZAP: only the public keys in the directory may connect over TCP
             auth.start()
             auth.configure_curve(domain="*", location=args.curve_clients)
-        elif args.tcp:
-            # A warning, not a refusal: CURVE alone still encrypts and authenticates the server, and a gateway on
-            # a closed network whose public key only its callers hold is a working set-up that a refusal would
-            # stop at the upgrade. But the public key is not a secret by design, so say loudly who is served.
-            log.warning("--tcp %s without --curve-clients: any caller that knows this server's public key is "
-                        "served; name the callers' public keys with --curve-clients DIR (docs/DEPLOY.md)", args.tcp)
+            keys = len(auth.certs.get("*", {}))
+            log.log(logging.INFO if keys else logging.WARNING, "--tcp %s: the public keys in --curve-clients %s may "
+                    "connect (%d%s)", args.tcp, args.curve_clients, keys, "" if keys else ": no caller can")
+        elif args.tcp:  # --curve-any-client: the command refuses --tcp with neither
+            log.warning("--tcp %s with --curve-any-client: any caller that knows this server's public key is "
+                        "served, with any key pair; name the callers' public keys with --curve-clients DIR instead "
+                        "(docs/DEPLOY.md)", args.tcp)
         ipc = _router(ctx, args.max_pending_mib * MIB)
         endpoints = [runtime.endpoint(rd, SOCKET_NAME)]
         ipc.bind(endpoints[0])

@@ -23,12 +23,17 @@ HELP = "the inline gateway: tensors in ZeroMQ frames, for callers without shm"
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tcp", default="", metavar="ENDPOINT",
-                    help="also listen on tcp://HOST:PORT (off by default; needs --curve-secret-file)")
+                    help="also listen on tcp://HOST:PORT (off by default; needs --curve-secret-file, and "
+                         "--curve-clients or --curve-any-client)")
     ap.add_argument("--curve-secret-file", default="", metavar="FILE",
                     help="the server's CURVE secret key (Z85); the file must be readable by its owner only (0600)")
     ap.add_argument("--curve-clients", default="", metavar="DIR",
-                    help="only the CURVE public keys in DIR (zmq.auth certificate files) may connect over TCP; "
-                         "without it any caller that knows the server's public key is served (a warning says so)")
+                    help="only the CURVE public keys in DIR (zmq.auth certificate files, *.key) may connect over "
+                         "TCP; --tcp needs it or --curve-any-client")
+    ap.add_argument("--curve-any-client", action="store_true",
+                    help="over TCP, serve any caller that knows the server's public key, with any key pair of its "
+                         "own (that public key is no secret: use only on a closed network); instead of "
+                         "--curve-clients")
     ap.add_argument("--slots", type=int, default=0, help="ring slots, i.e. requests in flight (default: broker's)")
     ap.add_argument("--max-items", type=int, default=0,
                     help="rows per request (default: the broker's [sessions] default_max_items); callers read it "
@@ -43,6 +48,23 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          f"unread (default {DEFAULT_MAX_PENDING_MIB})")
     ap.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                     help="logging level (default INFO)")
+
+
+def tcp_refusal(args: argparse.Namespace) -> str:
+    """Why the TCP options cannot be used together ('' when they can): TCP needs CURVE and a decision on who may
+    connect, either the allow-list of --curve-clients or --curve-any-client, as CURVE alone serves any key pair."""
+    if args.curve_clients and args.curve_any_client:
+        return "--curve-clients and --curve-any-client: give one (an allow-list, or any client), not both"
+    if not args.tcp:
+        return "--curve-any-client: applies to --tcp only" if args.curve_any_client else ""
+    if not args.curve_secret_file:
+        return "--tcp: expected --curve-secret-file too (TCP needs CURVE)"
+    if not (args.curve_clients or args.curve_any_client):
+        return ("--tcp: expected --curve-clients DIR (the public keys of the callers that may connect) or "
+                "--curve-any-client (any caller that knows the server's public key, with any key pair, is served)")
+    if args.curve_clients and not os.path.isdir(args.curve_clients):
+        return f"--curve-clients {args.curve_clients}: no such directory (it holds the callers' *.key files)"
+    return ""
 
 
 def secret_file_refusal(path: str) -> str:
@@ -66,11 +88,13 @@ def secret_file_refusal(path: str) -> str:
 
 def command(args: argparse.Namespace) -> int:
     """``shmbroker inline``: prints ``shmbroker inline: ready on ENDPOINT[ ENDPOINT]`` once it has its session;
-    exits 2 on a wrong option (naming it), when another gateway serves the runtime directory, or there is none."""
+    exits 2 on a wrong option (naming it; --tcp without --curve-clients or --curve-any-client among them), when
+    another gateway serves the runtime directory, or there is none."""
     import uvloop
 
-    if args.tcp and not args.curve_secret_file:
-        sys.stderr.write("shmbroker: inline: --tcp: expected --curve-secret-file too (TCP needs CURVE)\n")
+    why = tcp_refusal(args)
+    if why:
+        sys.stderr.write(f"shmbroker: inline: {why}\n")
         return 2
     if args.curve_secret_file:
         why = secret_file_refusal(args.curve_secret_file)

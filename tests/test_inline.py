@@ -157,6 +157,7 @@ def test_tcp_with_curve_serves_an_authorised_client(tmp_path: Path) -> None:
                                        rtol=0, atol=1e-5)
         finally:
             ctx.destroy(linger=0)
+        assert f"the public keys in --curve-clients {allowed} may connect (1)" in (tmp_path / "inline.log").read_text()
 
 
 def _answers(endpoint: str) -> bool:

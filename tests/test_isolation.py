@@ -24,6 +24,7 @@ import zmq
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common import runtime
 from shmbroker.broker.common.handout import HandoutError, fetch_ring
+from shmbroker.broker.serving.sessions import FD_RESERVE, FDS_PER_SESSION
 from shmbroker.client import Client, HandshakeError
 from tests.conftest import REPO, RunningBroker, start_broker, wait_until
 from tests.rawclient import RawClient
@@ -51,6 +52,15 @@ def run_as(uid: int, gid: int, code: str, *args: str, timeout: float = 60) -> su
     script = f"import os, sys\n{code}\nos.setgroups([{gid}]); os.setgid({gid}); os.setuid({uid})\nmain(*sys.argv[1:])\n"
     return subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=timeout, check=False)
+
+
+SERVED = """
+import numpy as np
+from shmbroker.client import Client
+def main(rd):
+    with Client(rd) as c:
+        print("served", float(np.asarray(c.infer("tiny", np.ones((1, 256), np.float32))).sum()) > 0)
+"""  # run_as's code: one session of the uid, served
 
 
 def _ones(c: Client) -> float:
@@ -105,6 +115,7 @@ def test_another_user_with_the_token_cannot_get_the_ring(group_broker: RunningBr
         r = run_as(NOBODY, NOGROUP, """
 from pathlib import Path
 from shmbroker.broker.common.handout import HandoutError, fetch_ring
+from shmbroker.broker.serving.sessions import FD_RESERVE, FDS_PER_SESSION
 def main(rd, sid, token):
     try:
         fetch_ring(Path(rd), int(sid), int(token), 10)
@@ -200,17 +211,38 @@ def test_one_user_at_its_cap_leaves_sessions_for_another() -> None:
         held = [Client(b.runtime_dir), Client(b.runtime_dir)]
         with pytest.raises(HandshakeError, match="max_sessions_per_uid"):
             Client(b.runtime_dir)
-        r = run_as(NOBODY, NOGROUP, """
-import numpy as np
-from shmbroker.client import Client, HandshakeError
-def main(rd):
-    with Client(rd) as c:
-        print("served", float(np.asarray(c.infer("tiny", np.ones((1, 256), np.float32))).sum()) > 0)
-""", str(b.runtime_dir))
+        r = run_as(NOBODY, NOGROUP, SERVED, str(b.runtime_dir))
         assert r.stdout.strip() == "served True", r.stdout + r.stderr
         for c in held:
             c.close()
     finally:
+        assert b.stop() == 0, b.log()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@root_only
+def test_at_the_open_files_cap_one_user_leaves_sessions_for_another() -> None:
+    """The open-files limit allows 12 sessions, with the default caps (1024 sessions, 256 per uid): the per-uid
+    cap scales with it to 3, so a uid that takes all it may, refused past them naming both settings, leaves
+    sessions to another uid; the start log says the caps in effect."""
+    d = Path(tempfile.mkdtemp(prefix="shmb-iso-"))
+    d.chmod(0o755)
+    b = start_broker(d, "process", extra='group = "nogroup"', sessions="default_slots = 1",
+                     max_fds=FD_RESERVE + 12 * FDS_PER_SESSION)
+    held: list[Client] = []
+    try:
+        with pytest.raises(HandshakeError) as refused:
+            for _ in range(12):
+                held.append(Client(b.runtime_dir))
+        assert len(held) == 3, len(held)
+        message = str(refused.value)
+        assert refused.value.code == "LIMIT" and "max_sessions_per_uid" in message and "LimitNOFILE" in message
+        r = run_as(NOBODY, NOGROUP, SERVED, str(b.runtime_dir))
+        assert r.stdout.strip() == "served True", r.stdout + r.stderr
+        assert "session caps: 12 sessions (the open-files limit: raise LimitNOFILE), 3 per uid" in b.log()
+    finally:
+        for c in held:
+            c.close()
         assert b.stop() == 0, b.log()
         shutil.rmtree(d, ignore_errors=True)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import configparser
 import contextlib
 import os
+import resource
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ import zmq
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.config import ConfigError, parse
 from shmbroker.broker.common.runtime import CONTROL_SOCKET, endpoint
-from shmbroker.broker.serving.sessions import FD_RESERVE, FDS_PER_SESSION
+from shmbroker.broker.serving.sessions import FD_RESERVE, FDS_PER_SESSION, Caps
 from shmbroker.client import Client, HandshakeError
 from tests.conftest import REPO, RunningBroker, start_broker, wait_until
 
@@ -112,7 +114,8 @@ def test_a_large_ring_costs_the_broker_no_memory_at_hello(tmp_path: Path) -> Non
 
 def test_the_open_files_limit_caps_sessions_and_the_broker_keeps_serving(tmp_path: Path) -> None:
     """Caps above what RLIMIT_NOFILE allows (a unit without LimitNOFILE, say): sessions stop at what the limit
-    leaves room for, refused with LIMIT naming LimitNOFILE, and the broker keeps accepting and serving."""
+    leaves room for, and one uid at half of that (tests/test_isolation.py has the other uids), refused with
+    LIMIT naming LimitNOFILE, and the broker keeps accepting and serving."""
     b = start_broker(tmp_path, "process", max_fds=FD_RESERVE + 12 * FDS_PER_SESSION,
                      sessions="default_slots = 1\nmax_sessions_per_uid = 1000\nmax_sessions = 1000")
     try:
@@ -120,7 +123,7 @@ def test_the_open_files_limit_caps_sessions_and_the_broker_keeps_serving(tmp_pat
             replies = hellos(s, 100, 1)
             granted = [r for r in replies if isinstance(r, P.Setup)]
             refused = [r for r in replies if isinstance(r, P.ErrorReply)]
-            assert len(granted) == 12 and len(refused) == 88, replies[:1]
+            assert len(granted) == 6 and len(refused) == 94, replies[:1]
             assert {r.code for r in refused} == {"LIMIT"} and "LimitNOFILE" in refused[0].message, refused[0]
             assert b.health().ready  # a new connection is still accepted
             for setup in granted:
@@ -162,3 +165,45 @@ def test_what_one_session_costs_in_descriptors_fits_the_units_limit(process_brok
 def test_a_per_uid_cap_above_the_total_is_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"sessions\.max_sessions_per_uid"):
         parse({"sessions": {"max_sessions": 4, "max_sessions_per_uid": 8}, "models": {"m": {"path": "builtin:tiny"}}})
+
+
+@contextlib.contextmanager
+def _open_files_limit(soft: int) -> Iterator[None]:
+    """This process's RLIMIT_NOFILE soft limit set to ``soft`` (RLIM_INFINITY: none) for the span of a ``with``."""
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, before[1]), before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+@pytest.mark.parametrize(("sessions", "fds", "caps", "why"), [
+    # the open-files limit bounds the sessions: the per-uid cap scales down with them (issue: it was 120 of 120)
+    ("", 1024, (120, 30), "scaled to the 120 sessions the open-files limit allows: raise LimitNOFILE"),
+    ("max_sessions = 1000\nmax_sessions_per_uid = 1000", FD_RESERVE + 12 * FDS_PER_SESSION, (12, 6),
+     "1/2 of the 12 sessions in all, so that other uids find room: raise LimitNOFILE"),
+    ("max_sessions = 8\nmax_sessions_per_uid = 8", 65536, (8, 4),
+     "1/2 of the 8 sessions in all, so that other uids find room: raise sessions.max_sessions"),
+    ("max_sessions = 8\nmax_sessions_per_uid = 2", 65536, (8, 2), "sessions.max_sessions_per_uid"),
+    ("", 65536, (1024, 256), "sessions.max_sessions_per_uid"),
+    ("max_sessions = 1\nmax_sessions_per_uid = 1", 65536, (1, 1), "sessions.max_sessions_per_uid"),  # unshared
+    ("max_sessions = 4\nmax_sessions_per_uid = 1", FD_RESERVE, (1, 1), "scaled to the 1 sessions"),
+], ids=["default_at_1024_fds", "equal_caps_fd_bound", "equal_caps", "below_half", "defaults", "one", "fd_floor"])
+def test_the_per_uid_session_cap_leaves_room_for_other_uids(sessions: str, fds: int, caps: tuple[int, int],
+                                                            why: str) -> None:
+    """The caps in effect (the rule of docs/DEPLOY.md): what bounds the sessions scales the per-uid cap alike, and
+    one uid never holds more than half of them (at least 1); the reason names the setting to raise."""
+    cfg = parse({"sessions": tomllib.loads(sessions), "models": {"m": {"path": "builtin:tiny"}}})
+    with _open_files_limit(fds):
+        got = Caps.of(cfg)
+    assert (got.sessions, got.sessions_per_uid) == caps
+    assert why in got.sessions_per_uid_why, got
+
+
+def test_the_per_uid_ring_cap_is_at_most_half_of_the_total() -> None:
+    cfg = parse({"sessions": {"max_ring_mib": 1024, "max_ring_mib_per_uid": 1024},
+                 "models": {"m": {"path": "builtin:tiny"}}})
+    got = Caps.of(cfg)
+    assert (got.ring_bytes >> 20, got.ring_bytes_per_uid >> 20) == (1024, 512)
+    assert "1/2 of sessions.max_ring_mib" in got.ring_bytes_per_uid_why

@@ -45,7 +45,8 @@ class SessionsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_session_mib: Annotated[int, Meta(ge=1, le=1 << 20)] = 4096
     # caps on what clients hold at once (sessions in set-up included), all users together and each uid: a
     # HELLO past one gets LIMIT naming the key. Ring memory is RAM: 0 means half the machine's memory, and
-    # half of max_ring_mib per uid. systemd/shmbroker.service's LimitNOFILE is sized for max_sessions.
+    # half of max_ring_mib per uid. systemd/shmbroker.service's LimitNOFILE is sized for max_sessions. The caps
+    # in effect (broker.serving.sessions.Caps) give a uid at most half of each total.
     max_sessions: Annotated[int, Meta(ge=1, le=16384)] = 1024
     max_sessions_per_uid: Annotated[int, Meta(ge=1, le=16384)] = 256
     max_ring_mib: Annotated[int, Meta(ge=0, le=1 << 30)] = 0

@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 
 from shmbroker.broker.common import protocol as P
-from shmbroker.broker.common.config import Config
+from shmbroker.broker.common.config import Config, SessionsSection
 from shmbroker.broker.common.handout import Grantable, Peer
 from shmbroker.broker.common.ring import RingLayout, Segment, pack_offsets, segment_name
 
@@ -100,30 +100,61 @@ def capacities(models: list[P.ModelInfo], max_items: int) -> tuple[int, int]:
     return in_cap, out_cap
 
 
+UID_SHARE = 2  # one uid may hold at most 1/UID_SHARE of a cap in all, so another uid always finds room
+
+
 @dataclass(frozen=True)
 class Caps:
-    """The [sessions] caps in effect, in sessions and bytes; ``fd_bound``: the open-files limit, not
-    ``max_sessions``, bounds the sessions."""
+    """The [sessions] caps in effect, in sessions and bytes. The per-uid caps are the configured ones, scaled
+    down as the session cap is when the open-files limit bounds it, and never above 1/UID_SHARE of the cap in
+    all (at least 1): one uid never takes every session. ``*_why``: what set a cap, and the setting to change."""
 
     sessions: int
     sessions_per_uid: int
     ring_bytes: int
     ring_bytes_per_uid: int
-    fd_bound: bool = False
+    sessions_why: str = "sessions.max_sessions"
+    sessions_per_uid_why: str = "sessions.max_sessions_per_uid"
+    ring_bytes_per_uid_why: str = "sessions.max_ring_mib_per_uid"
 
     @classmethod
     def of(cls, cfg: Config) -> Caps:
-        sc = cfg.sessions
-        total = (sc.max_ring_mib << 20) or psutil.virtual_memory().total // 2
-        per_uid = (sc.max_ring_mib_per_uid << 20) or total // 2
-        by_fds = sessions_within_fd_limit()
-        sessions = min(sc.max_sessions, by_fds)
-        if sessions < sc.max_sessions:
-            log.warning("the open-files limit allows %d sessions, below sessions.max_sessions (%d): raise "
-                        "LimitNOFILE (ulimit -n) to %d", sessions, sc.max_sessions,
-                        FD_RESERVE + FDS_PER_SESSION * sc.max_sessions)
-        return cls(sessions, min(sc.max_sessions_per_uid, sessions), total, min(per_uid, total),
-                   fd_bound=sessions < sc.max_sessions)
+        """The caps in effect for ``cfg`` under this process's open-files limit; logged."""
+        sessions, sessions_why, per_uid, per_uid_why = _session_caps(cfg.sessions)
+        ring, ring_per_uid, ring_why = _ring_caps(cfg.sessions)
+        log.info("session caps: %d sessions (%s), %d per uid (%s); ring memory %d MiB, %d MiB per uid (%s)",
+                 sessions, sessions_why, per_uid, per_uid_why, ring >> 20, ring_per_uid >> 20, ring_why)
+        return cls(sessions, per_uid, ring, ring_per_uid, sessions_why, per_uid_why, ring_why)
+
+
+def _session_caps(sc: SessionsSection) -> tuple[int, str, int, str]:
+    """Sessions in all and per uid, each with what set it: the open-files limit may lower the first, and then
+    scales the second alike; the second is at most 1/UID_SHARE of the first, and at least 1."""
+    sessions = min(sc.max_sessions, sessions_within_fd_limit())
+    why, per_uid, per_uid_why = "sessions.max_sessions", sc.max_sessions_per_uid, "sessions.max_sessions_per_uid"
+    to_raise = "sessions.max_sessions"  # what lets a uid hold more, once half of the total bounds it
+    if sessions < sc.max_sessions:
+        log.warning("the open-files limit allows %d sessions, below sessions.max_sessions (%d): raise "
+                    "LimitNOFILE (ulimit -n) to %d", sessions, sc.max_sessions,
+                    FD_RESERVE + FDS_PER_SESSION * sc.max_sessions)
+        why, to_raise = "the open-files limit: raise LimitNOFILE", "LimitNOFILE"
+        per_uid = sc.max_sessions_per_uid * sessions // sc.max_sessions
+        per_uid_why = (f"sessions.max_sessions_per_uid {sc.max_sessions_per_uid}, scaled to the {sessions} sessions "
+                       f"the open-files limit allows: raise LimitNOFILE")
+    if per_uid > sessions // UID_SHARE and sessions >= UID_SHARE:  # a single session cannot be shared
+        per_uid = sessions // UID_SHARE
+        per_uid_why = (f"1/{UID_SHARE} of the {sessions} sessions in all, so that other uids find room: raise "
+                       f"{to_raise}")
+    return sessions, why, max(1, per_uid), per_uid_why
+
+
+def _ring_caps(sc: SessionsSection) -> tuple[int, int, str]:
+    """Ring bytes in all and per uid, and what set the second: at most 1/UID_SHARE of the first."""
+    total = (sc.max_ring_mib << 20) or psutil.virtual_memory().total // 2
+    per_uid, why = (sc.max_ring_mib_per_uid << 20) or total // 2, "sessions.max_ring_mib_per_uid"
+    if per_uid > total // UID_SHARE:
+        per_uid, why = total // UID_SHARE, f"1/{UID_SHARE} of sessions.max_ring_mib, so that other uids find room"
+    return total, max(1, per_uid), why
 
 
 def sessions_within_fd_limit() -> int:
@@ -194,17 +225,17 @@ class SessionTable:
         caps, mib = self.caps, 1 << 20
         held = sum(self._sessions_of.values())
         if held >= caps.sessions:
-            key = "the open-files limit: raise LimitNOFILE" if caps.fd_bound else "sessions.max_sessions"
-            raise SessionError("LIMIT", f"the broker holds {held} sessions, its cap ({key}); try again later")
+            raise SessionError("LIMIT", f"the broker holds {held} sessions, its cap ({caps.sessions_why}); try "
+                                        "again later")
         if self._sessions_of[uid] >= caps.sessions_per_uid:
             raise SessionError("LIMIT", f"uid {uid} holds {self._sessions_of[uid]} sessions, the cap per user "
-                                        "(sessions.max_sessions_per_uid); close some first")
+                                        f"({caps.sessions_per_uid_why}); close some first")
         if self._bytes + nbytes > caps.ring_bytes:
             raise SessionError("LIMIT", f"a ring of {nbytes // mib} MiB would take the rings of all sessions over "
                                         f"{caps.ring_bytes // mib} MiB (sessions.max_ring_mib); try again later")
         if self._bytes_of[uid] + nbytes > caps.ring_bytes_per_uid:
             raise SessionError("LIMIT", f"a ring of {nbytes // mib} MiB would take uid {uid}'s rings over "
-                                        f"{caps.ring_bytes_per_uid // mib} MiB (sessions.max_ring_mib_per_uid); "
+                                        f"{caps.ring_bytes_per_uid // mib} MiB ({caps.ring_bytes_per_uid_why}); "
                                         "close some sessions or ask for fewer slots or max_items")
 
     def _count(self, uid: int, nbytes: int, sign: int) -> None:
