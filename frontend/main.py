@@ -33,16 +33,13 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from shmbroker.broker.common import proc
-from shmbroker.frontend.settings import Settings
+from shmbroker.frontend.settings import OWN_FDS, Settings
 from shmbroker.frontend.unixclaim import UnixClaim
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 120.0  # a child's session handshake is retried until the broker answers
 RESTART_PAUSE_S = 1.0
-BACKLOG = 128  # aiohttp's default, which each child's site sets again on the shared socket
-# Descriptors a front-end process uses beside its clients' connections: the ring session, ZeroMQ's sockets
-# and pipes, the executor's, the log; --max-connections is what the open-files limit must allow on top.
-OWN_FDS = 64
+BACKLOG = 128  # connections the kernel queues before a child accepts them
 MIN_API_KEY_CHARS = 16
 UNIX_PATH_MAX = 107  # sun_path's 108 bytes, one for the terminating NUL
 
@@ -236,9 +233,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="seconds a request's whole body has to arrive, from its headers; past it the request is "
                          "answered 408 and the connection closed (default 60)")
     ap.add_argument("--max-connections", type=int, default=512, metavar="N",
-                    help="connections per process; one more displaces the oldest idle one or the oldest still "
-                         "sending headers (answered 503), else it is answered 503 (default 512; the open-files "
-                         f"limit is raised to N + {OWN_FDS} when it can be, else the command exits 2)")
+                    help="client connections per process, those it is answering 408 or 503 and closing included; "
+                         "one more first closes the oldest of those, else displaces the oldest idle one or the "
+                         "oldest still sending headers (answered 503), else it is answered 503 (default 512; the "
+                         f"open-files limit is raised to N + {OWN_FDS} when it can be, else the command exits 2)")
     ap.add_argument("--body-memory-mib", type=int, default=512, metavar="MIB",
                     help="request bodies one process holds at once, in MiB; a request whose body does not fit is "
                          "answered 503 at once, unread (default 512; at least --max-body-mib)")

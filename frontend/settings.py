@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Open files a front-end process needs beside its --max-connections client connections: its own (the listening
+# socket, the ring session's ZeroMQ sockets, about 5 for each worker, the executor's questions to the broker, the
+# log: about 40 with two workers) and those it closes in one loop turn, freed at the next (16 at most).
+OWN_FDS = 64
+
 
 @dataclass(frozen=True)
 class Settings:

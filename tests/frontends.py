@@ -74,13 +74,14 @@ class Front:
 
 
 def start_frontend(b: RunningBroker, log_path: Path, workers: int = 2, extra: tuple[str, ...] = (),
-                   unix: Path | None = None) -> Front:
+                   unix: Path | None = None, max_fds: int = 0) -> Front:
     """`shmbroker http --port 0` (or `--unix UNIX`); returns once it printed its ready line (every process has
-    its session)."""
+    its session). ``max_fds``: its open-files limit, soft and hard (0: this process's)."""
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir), PYTHONUNBUFFERED="1")
     where = ["--unix", str(unix)] if unix else ["--port", "0"]
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([*CLI, "http", "--workers", str(workers), *where,
+        limit = ["prlimit", f"--nofile={max_fds}:{max_fds}", "--"] if max_fds else []
+        proc = subprocess.Popen([*limit, *CLI, "http", "--workers", str(workers), *where,
                                  "--slots", "32", *extra], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=logf,
                                 text=True)
     assert proc.stdout is not None

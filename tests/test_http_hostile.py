@@ -5,6 +5,7 @@ callers that send the key are served."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import secrets
 import select
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +25,7 @@ import pytest
 import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
+from shmbroker.frontend.settings import OWN_FDS
 from tests.conftest import CLI, REPO, RunningBroker, running_broker
 from tests.frontends import Front, start_frontend
 from tests.models import direct
@@ -179,6 +182,94 @@ def _fds_within(child: psutil.Process, most: int) -> bool:
     while child.num_fds() > most and time.monotonic() < deadline:
         time.sleep(0.05)
     return bool(child.num_fds() <= most)
+
+
+def _infer_tiny(f: Front, x: np.ndarray) -> tuple[int, np.ndarray | bytes]:
+    """One infer request of ``x`` on a fresh connection: (status, the scores, or the error body); status 0 when
+    the connection was reset or closed before an answer."""
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape),
+                                   "data": x.ravel().tolist()}]}).encode()
+    try:
+        status, _headers, answer = f.raw("POST", "/v2/models/tiny/infer", body)
+    except (ConnectionError, http.client.RemoteDisconnected) as exc:
+        return 0, repr(exc).encode()
+    if status != 200:
+        return status, answer
+    out = json.loads(answer)["outputs"][0]
+    return status, np.asarray(out["data"], np.float32).reshape(out["shape"])
+
+
+class Flood(threading.Thread):
+    """Opens connections that send nothing, ``per_wave`` at a time, holding each wave until the next one; at
+    most ``waves`` waves, fewer once stopped. ``opened`` counts them."""
+
+    def __init__(self, f: Front, per_wave: int, waves: int) -> None:
+        super().__init__(name="flood", daemon=True)
+        self.address = (f.host, f.port)
+        self.per_wave = per_wave
+        self.waves = waves
+        self.opened = 0
+        self.progress = threading.Condition()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        held: list[socket.socket] = []
+        try:
+            for _ in range(self.waves):
+                for sock in held:
+                    sock.close()
+                held = []
+                for _ in range(self.per_wave):
+                    if self.stop.is_set():
+                        return
+                    try:
+                        held.append(socket.create_connection(self.address, timeout=60))
+                    except OSError:
+                        continue  # refused or reset: the front-end's to decide, counted all the same
+                    finally:
+                        with self.progress:
+                            self.opened += 1
+                            self.progress.notify_all()
+        finally:
+            for sock in held:
+                sock.close()
+
+    def wait_opened(self, count: int) -> None:
+        with self.progress:
+            assert self.progress.wait_for(lambda: self.opened >= count or not self.is_alive(), 60), self.opened
+
+
+def test_a_flood_of_idle_connections_within_the_documented_descriptors_lets_requests_through(
+        broker: RunningBroker, tmp_path: Path) -> None:
+    """--max-connections 20 under the open-files limit docs/DEPLOY.md gives (N + 64): while another thread opens
+    connections that send nothing, 300 at a time, 25 infer requests, each on a fresh connection and each sent
+    once 12 more of those are open, are all answered 200 with the model's scores; the front-end logs no
+    descriptor exhaustion and serves on."""
+    n = 20
+    f = start_frontend(broker, tmp_path / "http.log", workers=1, extra=("--max-connections", str(n)),
+                       max_fds=n + OWN_FDS)
+    flood = Flood(f, per_wave=300, waves=10)
+    rng = np.random.default_rng(38)
+    try:
+        flood.start()
+        results: list[int] = []
+        for i in range(25):
+            flood.wait_opened(12 * (i + 1))
+            x = rng.standard_normal((1, 256), dtype=np.float32)
+            status, y = _infer_tiny(f, x)
+            results.append(status)
+            if status == 200:
+                assert isinstance(y, np.ndarray)
+                np.testing.assert_allclose(y, direct("tiny", x), rtol=0, atol=1e-5)
+        flood.stop.set()
+        flood.join(60)
+        assert results == [200] * 25, f"{results.count(200)} of 25 answered 200: {results}"
+        assert f.raw("POST", "/v2/models/tiny/infer", INFER)[0] == 200
+        log_text = f.log_path.read_text()
+        assert "Too many open files" not in log_text and "EMFILE" not in log_text, log_text[-3000:]
+    finally:
+        flood.stop.set()
+        _stop(f)
 
 
 def _stall(f: Front, declared: int, sent: int) -> socket.socket:
