@@ -7,7 +7,7 @@ passes to them; the kernel hands each connection to one of them. Errors are ``{"
 (bad input), 401 (no or a wrong API key, with ``--api-key-file``), 404 (unknown model or path), 408 (headers
 or body too slow), 413 (body too large), 503 (overloaded, not ready, worker died), 504 (timeout), 500 (anything
 else). frontend/connections.py bounds what slow or many clients can hold in connections and time, and
-frontend/limits.py what their bodies can: time and memory.
+frontend/limits.py what their bodies can: time, pace and memory.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Frontend:
         self.settings = settings
         self.client: AsyncClient | None = None
         self.guard = ConnectionGuard(settings)
-        self.bodies = BodyBudget(settings.body_memory_mib << 20)
+        self.bodies = BodyBudget(settings.body_memory_mib << 20, settings.peer_body_memory_mib << 20)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.max_body_mib << 20,

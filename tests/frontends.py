@@ -60,11 +60,13 @@ class Front:
 
         return th.InferenceServerClient(self.url, concurrency=concurrency, network_timeout=60.0)
 
-    def raw(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
-            ) -> tuple[int, dict[str, str], bytes]:
-        """One request on a fresh connection: (status, headers, body)."""
+    def raw(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
+            source: str = "") -> tuple[int, dict[str, str], bytes]:
+        """One request on a fresh connection, from the address ``source`` if given (127.0.0.2 and so on: the
+        front-end tells peers apart by address): (status, headers, body)."""
         conn = (UnixHTTPConnection(self.unix, timeout=60) if self.unix
-                else http.client.HTTPConnection(self.host, self.port, timeout=60))
+                else http.client.HTTPConnection(self.host, self.port, timeout=60,
+                                                source_address=(source, 0) if source else None))
         try:
             conn.request(method, path, body=body, headers=headers or {})
             resp = conn.getresponse()
