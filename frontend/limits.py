@@ -1,280 +1,168 @@
-"""What one HTTP front-end process allows its clients: time to send headers and bodies, connections, body memory.
+"""What one HTTP front-end process allows request bodies: time, pace and memory (connections: frontend/connections.py).
 
-A connection has ``header_timeout_s`` to deliver a request's headers, counted from its opening or from its first
-byte after the previous response; past it it is answered 408 and closed. A process holds at most
-``max_connections``: one more first displaces the oldest connection that no request is being answered on (an
-idle keep-alive one, closed without a word; else one still sending its headers, answered 503), and is itself
-answered 503 and closed when a request is being answered on every one. A request body must arrive whole within
-``body_timeout_s`` of its headers (else 408), and the bodies held at once fit in ``body_memory`` bytes: a request
-whose body does not fit is answered 503 at once, its body unread.
+A body must arrive whole within ``body_timeout_s`` of its headers, and at ``min_body_rate_kib`` KiB/s at least: it
+may fall behind that pace by RATE_WINDOW_S seconds' worth, and is never more than RATE_WINDOW_S seconds ahead of it,
+so a body that stalls is cut RATE_WINDOW_S after its last bytes (both 408). A body is charged as its bytes arrive,
+not by its declared length. The bodies held at once fit in ``body_memory`` bytes, and those of one peer (an IP
+address, an IPv6 one's /64, or on a Unix socket the client's uid) in ``peer_body_memory`` bytes: a body whose next
+bytes do not fit is answered 503, the rest unread. Its charge goes with it, whatever ends it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
-import http
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import cast
+import ipaddress
+import math
+import socket
+import struct
+from collections.abc import AsyncIterator
 
-import msgspec
 from aiohttp import web
 
-from shmbroker.broker.common.ratelog import RateLimitedLog
 from shmbroker.frontend.kserve import HttpError
-from shmbroker.frontend.settings import Settings
+from shmbroker.frontend.settings import RATE_WINDOW_S, Settings
 
-log = logging.getLogger(__name__)
 MIB = 1 << 20
-# How long a connection answered here (408, 503) is still read, and what it sends dropped, before it is closed:
-# closing a socket with unread bytes in it sends a reset, which can destroy the answer before the client reads it.
-LINGER_S = 1.0
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+KIB = 1 << 10
+PEERCRED = struct.Struct("3i")  # SO_PEERCRED's struct ucred: pid, uid, gid
 
 
-def raw_response(status: int, message: str) -> bytes:
-    """A whole HTTP/1.1 response with the protocol's error JSON that closes the connection, for the moments when
-    aiohttp is not answering a request on it (no request is being handled)."""
-    body = msgspec.json.encode({"error": message})
-    head = (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
-    return head.encode() + body
-
-
-class State(enum.Enum):
-    WAITING = "waiting"  # for a request's headers: the header deadline runs
-    BUSY = "busy"  # a request is being answered (its body read, the inference, the response written)
-    IDLE = "idle"  # keep-alive between requests (its first byte starts WAITING): aiohttp's keepalive_timeout bounds it
-    DRAINING = "draining"  # answered with its body unread: aiohttp discards the rest, then closes it
-
-
-class Connection(asyncio.Protocol):
-    """One client connection: aiohttp's protocol for it behind a deadline on its headers."""
-
-    def __init__(self, guard: ConnectionGuard, inner: web.RequestHandler) -> None:
-        self.guard = guard
-        self.inner = inner
-        self.transport: asyncio.Transport | None = None
-        self.state = State.WAITING
-        self.admitted = False
-        self.lingering = False  # answered here and about to close: what comes is dropped
-        self._deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport's subclasses
-        self.admitted = self.guard.admit(self)
-        if self.admitted:
-            self._arm()
-            self.inner.connection_made(self.transport)
-
-    def data_received(self, data: bytes) -> None:
-        if self.lingering or not self.admitted:
-            return
-        if self.state is State.IDLE:
-            self.state = State.WAITING
-            self._arm()
-        self.inner.data_received(data)
-
-    def eof_received(self) -> None:
-        if self.admitted:
-            self.inner.eof_received()  # returns None, as this does: the transport then closes itself
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        self.guard.forget(self)
-        if self.admitted:
-            self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        if self.admitted:
-            self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self.admitted:
-            self.inner.resume_writing()
-
-    def request_started(self) -> None:
-        self.state = State.BUSY
-        self._disarm()
-
-    def request_ended(self, body_read: bool) -> None:
-        """The request's task is over: its response written, or the connection gone. Bytes of a next request
-        that came with this one's leave it IDLE until more come: bounded by keepalive_timeout, and displaceable."""
-        if self.state is State.BUSY:
-            self.state = State.IDLE if body_read else State.DRAINING
-
-    def close(self, status: int = 0, message: str = "") -> None:
-        """Close, first answering ``status`` with ``message`` when given (then the close comes LINGER_S later, or
-        at the client's end, whichever is first); the guard forgets it at once."""
-        self._disarm()
-        self.guard.forget(self)
-        t = self.transport
-        if t is None or t.is_closing() or self.lingering:
-            return
-        if not status:
-            t.close()
-            return
-        self.lingering = True
-        if self.admitted:
-            # aiohttp lets go of it now, without its transport, which stays open for the answer: a request it may
-            # have just parsed is never started, so never answered a second time
-            self.admitted = False
-            self.inner.transport = None
-            self.inner.connection_lost(None)
-        t.write(raw_response(status, message))
-        if t.can_write_eof():
-            t.write_eof()  # the client reads the answer, then the end
-        asyncio.get_running_loop().call_later(LINGER_S, t.close)
-
-    def _arm(self) -> None:
-        self._disarm()
-        loop = asyncio.get_running_loop()
-        self._deadline = loop.call_later(self.guard.settings.header_timeout_s, self._expire)
-
-    def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-
-    def _expire(self) -> None:
-        self._deadline = None
-        if self.state is State.WAITING:
-            self.guard.slow.warning("a connection sent no complete request headers within %g s "
-                                    "(--header-timeout): answered 408 and closed", self.guard.settings.header_timeout_s)
-            self.close(408, f"no complete request headers within {self.guard.settings.header_timeout_s:g} s "
-                            f"(shmbroker http --header-timeout)")
-
-
-class ConnectionGuard:
-    """The connections of one process, each a Connection around aiohttp's protocol for it; the ``track``
-    middleware tells each when a request on it starts and ends."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.open: dict[asyncio.BaseProtocol, Connection] = {}  # by aiohttp's protocol, oldest first
-        # a flood of slow or surplus connections would flood the log
-        self.slow = RateLimitedLog(log)
-        self.full = RateLimitedLog(log)
-
-    def factory(self, inner: Callable[[], web.RequestHandler]) -> Callable[[], Connection]:
-        """The protocol factory for the listening socket: each connection guarded, ``inner``'s protocol inside."""
-        return lambda: Connection(self, inner())
-
-    def admit(self, conn: Connection) -> bool:
-        """Take ``conn`` in, displacing the oldest connection no request is answered on when all
-        ``max_connections`` are taken; else answer it 503 and close it (False)."""
-        if len(self.open) >= self.settings.max_connections and not self._displace():
-            self.full.warning("all %d connections of this process are answering requests (--max-connections): "
-                              "a new one was answered 503", self.settings.max_connections)
-            conn.close(503, f"this front-end process answers requests on all its "
-                            f"{self.settings.max_connections} connections (shmbroker http --max-connections): "
-                            f"try again later")
-            return False
-        self.open[conn.inner] = conn
-        return True
-
-    def _displace(self) -> bool:
-        """Close the oldest idle connection, else answer 503 to the oldest one still sending headers."""
-        for wanted in (State.IDLE, State.DRAINING, State.WAITING):
-            victim = next((c for c in self.open.values() if c.state is wanted), None)
-            if victim is not None:
-                if wanted is State.WAITING:
-                    self.full.warning("%d connections (--max-connections): the oldest one still sending its "
-                                      "headers was answered 503 for a new one", self.settings.max_connections)
-                    victim.close(503, f"this front-end process has {self.settings.max_connections} connections "
-                                      f"(shmbroker http --max-connections), and this one had not sent its request "
-                                      f"headers yet: try again")
-                else:
-                    victim.close()
-                return True
-        return False
-
-    def forget(self, conn: Connection) -> None:
-        if self.open.get(conn.inner) is conn:
-            del self.open[conn.inner]
-
-    @web.middleware
-    async def track(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Mark the request's connection busy until the request's task (the response written) is over."""
-        conn = self.open.get(request.protocol)
-        task = asyncio.current_task()
-        if conn is not None and task is not None:
-            conn.request_started()
-            task.add_done_callback(lambda _t: conn.request_ended(request.content.is_eof()))
-        response: web.StreamResponse = await handler(request)
-        return response
+def peer_of(transport: asyncio.BaseTransport | None) -> str:
+    """Whom a connection's bodies are charged to: its IP address (an IPv6 address's /64, as one host may hold all
+    of it), or on a Unix socket the client's uid."""
+    if transport is None:
+        return "a closed connection"
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer:
+        ip = ipaddress.ip_address(str(peer[0]).partition("%")[0])
+        if isinstance(ip, ipaddress.IPv6Address):
+            if ip.ipv4_mapped is not None:
+                return str(ip.ipv4_mapped)
+            return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
+        return str(ip)
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family == socket.AF_UNIX:
+        _pid, uid, _gid = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+        return f"uid {uid}"
+    return "an unknown peer"
 
 
 class BodyBudget:
-    """The bytes of request bodies a process may hold at once."""
+    """The bytes of request bodies a process holds at once: ``limit`` in all, ``peer_limit`` of one peer's."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, peer_limit: int) -> None:
         self.limit = limit
+        self.peer_limit = peer_limit
         self.used = 0
+        self.by_peer: dict[str, int] = {}
 
-    def take(self, size: int) -> bool:
-        if self.used + size > self.limit:
+    def take(self, peer: str, size: int) -> bool:
+        """Hold ``size`` more bytes for ``peer``; False, holding nothing, when past either limit."""
+        held = self.by_peer.get(peer, 0)
+        if held + size > self.peer_limit or self.used + size > self.limit:
             return False
         self.used += size
+        self.by_peer[peer] = held + size
         return True
 
-    def give(self, size: int) -> None:
+    def give(self, peer: str, size: int) -> None:
         self.used -= size
+        left = self.by_peer.pop(peer) - size
+        if left:
+            self.by_peer[peer] = left
 
 
 class _Claim:
     """The part of a BodyBudget that one request holds; grows as its body arrives."""
 
-    def __init__(self, budget: BodyBudget) -> None:
+    def __init__(self, budget: BodyBudget, peer: str) -> None:
         self.budget = budget
+        self.peer = peer
         self.size = 0
 
     def grow_to(self, size: int) -> None:
-        """Hold ``size`` bytes in all; HttpError 503 when the budget has not that much left."""
+        """Hold ``size`` bytes in all; HttpError 503, naming the limit, when the budget has not that much left."""
         if size <= self.size:
             return
-        if not self.budget.take(size - self.size):
-            raise HttpError(503, f"overloaded: this front-end process holds {self.budget.used / MIB:.1f} MiB of "
-                                 f"request bodies and this one has {size / MIB:.1f} MiB, past its limit "
-                                 f"(shmbroker http --body-memory-mib {self.budget.limit // MIB}): try again later")
-        self.size = size
+        b = self.budget
+        if b.take(self.peer, size - self.size):
+            self.size = size
+            return
+        if b.by_peer.get(self.peer, 0) + size - self.size > b.peer_limit:
+            raise HttpError(503, f"overloaded: this front-end process holds {b.by_peer.get(self.peer, 0) / MIB:.1f} "
+                                 f"MiB of request bodies from {self.peer}, and this one's next bytes ({size / MIB:.1f} "
+                                 f"MiB so far) pass one peer's share (shmbroker http --peer-body-memory-mib "
+                                 f"{b.peer_limit // MIB}): try again later")
+        raise HttpError(503, f"overloaded: this front-end process holds {b.used / MIB:.1f} MiB of request bodies and "
+                             f"this one has {size / MIB:.1f} MiB so far, past its limit (shmbroker http "
+                             f"--body-memory-mib {b.limit // MIB}): try again later")
 
     def release(self) -> None:
-        self.budget.give(self.size)
+        self.budget.give(self.peer, self.size)
         self.size = 0
+
+
+class _Pace:
+    """When a body being read is cut: ``body_timeout_s`` after its headers, or once it falls RATE_WINDOW_S
+    behind ``min_body_rate_kib``; each byte buys 1/rate seconds, and no more than RATE_WINDOW_S are in hand."""
+
+    def __init__(self, settings: Settings, start: float) -> None:
+        self.start = start
+        self.rate = settings.min_body_rate_kib * KIB
+        self.end = start + settings.body_timeout_s
+        self.due = start + RATE_WINDOW_S if self.rate else math.inf
+
+    def arrived(self, size: int, now: float) -> None:
+        if self.rate:
+            self.due = min(self.due + size / self.rate, now + RATE_WINDOW_S)
+
+    @property
+    def deadline(self) -> float:
+        return min(self.due, self.end)
+
+    @property
+    def too_slow(self) -> bool:
+        """Whether the deadline that passed was the pace's rather than the body timeout's."""
+        return self.due < self.end
 
 
 @contextlib.asynccontextmanager
 async def request_body(request: web.Request, budget: BodyBudget, settings: Settings) -> AsyncIterator[bytes]:
     """The whole body, held against ``budget`` until the block ends. HttpError: 413 past --max-body-mib, 503
-    when the budget cannot hold it (a declared length is claimed before anything is read), 408 when it is not
-    all there ``settings.body_timeout_s`` after the headers."""
+    when its bytes so far do not fit the budget (its peer's share, or the whole), 408 when it is not all there
+    ``settings.body_timeout_s`` after the headers or falls behind ``settings.min_body_rate_kib``."""
     limit = settings.max_body_mib * MIB
     declared = request.content_length
     if declared is not None and declared > limit:
         raise HttpError(413, f"request body: {declared} bytes, past the limit of {settings.max_body_mib} MiB "
                              f"(shmbroker http --max-body-mib)")
-    claim = _Claim(budget)
+    claim = _Claim(budget, peer_of(request.transport))
     try:
-        claim.grow_to(declared or 0)
         yield await _read(request, claim, limit, settings)
     finally:
         claim.release()
 
 
 async def _read(request: web.Request, claim: _Claim, limit: int, settings: Settings) -> bytes:
+    loop = asyncio.get_running_loop()
+    pace = _Pace(settings, loop.time())
     buf = bytearray()
     try:
-        async with asyncio.timeout(settings.body_timeout_s):
+        async with asyncio.timeout_at(pace.deadline) as window:
             while chunk := await request.content.readany():
                 if len(buf) + len(chunk) > limit:
                     raise HttpError(413, f"request body: past the limit of {settings.max_body_mib} MiB "
                                          f"(shmbroker http --max-body-mib)")
                 claim.grow_to(len(buf) + len(chunk))
                 buf += chunk
+                pace.arrived(len(chunk), loop.time())
+                window.reschedule(pace.deadline)
     except TimeoutError:
+        if pace.too_slow:
+            raise HttpError(408, f"request body: {len(buf)} bytes in {loop.time() - pace.start:.1f} s, slower than "
+                                 f"{settings.min_body_rate_kib} KiB/s for {RATE_WINDOW_S:g} s (shmbroker http "
+                                 f"--min-body-rate)") from None
         raise HttpError(408, f"request body: {len(buf)} bytes came within {settings.body_timeout_s:g} s of the "
                              f"headers, not all of it (shmbroker http --body-timeout)") from None
     except ConnectionError:  # the client left mid-body: its answer goes nowhere, and it is no fault to log

@@ -33,16 +33,13 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from shmbroker.broker.common import proc
-from shmbroker.frontend.settings import Settings
+from shmbroker.frontend.settings import OWN_FDS, RATE_WINDOW_S, Settings
 from shmbroker.frontend.unixclaim import UnixClaim
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 120.0  # a child's session handshake is retried until the broker answers
 RESTART_PAUSE_S = 1.0
-BACKLOG = 128  # aiohttp's default, which each child's site sets again on the shared socket
-# Descriptors a front-end process uses beside its clients' connections: the ring session, ZeroMQ's sockets
-# and pipes, the executor's, the log; --max-connections is what the open-files limit must allow on top.
-OWN_FDS = 64
+BACKLOG = 128  # connections the kernel queues before a child accepts them
 MIN_API_KEY_CHARS = 16
 UNIX_PATH_MAX = 107  # sun_path's 108 bytes, one for the terminating NUL
 
@@ -240,12 +237,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="seconds a request's whole body has to arrive, from its headers; past it the request is "
                          "answered 408 and the connection closed (default 60)")
     ap.add_argument("--max-connections", type=int, default=512, metavar="N",
-                    help="connections per process; one more displaces the oldest idle one or the oldest still "
-                         "sending headers (answered 503), else it is answered 503 (default 512; the open-files "
-                         f"limit is raised to N + {OWN_FDS} when it can be, else the command exits 2)")
+                    help="client connections per process, those it is answering 408 or 503 and closing included; "
+                         "one more first closes the oldest of those, else displaces the oldest idle one or the "
+                         "oldest still sending headers (answered 503), else it is answered 503 (default 512; the "
+                         f"open-files limit is raised to N + {OWN_FDS} when it can be, else the command exits 2)")
     ap.add_argument("--body-memory-mib", type=int, default=512, metavar="MIB",
-                    help="request bodies one process holds at once, in MiB; a request whose body does not fit is "
-                         "answered 503 at once, unread (default 512; at least --max-body-mib)")
+                    help="request bodies one process holds at once, in MiB, charged as their bytes arrive; a "
+                         "request whose next bytes do not fit is answered 503, the rest unread (default 512; at "
+                         "least --max-body-mib)")
+    ap.add_argument("--peer-body-memory-mib", type=int, default=0, metavar="MIB",
+                    help="of --body-memory-mib, what the bodies of one peer (an IP address, an IPv6 /64, on --unix "
+                         "a uid) may hold; past it: 503 (default: a quarter of --body-memory-mib, at least "
+                         "--max-body-mib)")
+    ap.add_argument("--min-body-rate", type=int, default=64, metavar="KIB",
+                    help="KiB/s a request body must keep up once its headers are in; one that falls "
+                         f"{RATE_WINDOW_S:g} s behind it (a body that stalls: {RATE_WINDOW_S:g} s after its last "
+                         "bytes) is answered 408 and its connection closed (default 64; 0: only --body-timeout)")
     ap.add_argument("--api-key-file", default="", metavar="FILE",
                     help="ask every request but the health probes for 'Authorization: Bearer KEY', KEY being this "
                          "file's content (at least 16 characters); others than the file's owner and group may not "
@@ -288,10 +295,17 @@ def settings_of(args: argparse.Namespace, runtime_dir: Path) -> Settings:
     if args.body_memory_mib < args.max_body_mib:
         raise ValueError(f"--body-memory-mib: expected at least --max-body-mib ({args.max_body_mib}), so that a body "
                          f"of the largest size fits, got {args.body_memory_mib}")
+    peer = args.peer_body_memory_mib or max(args.max_body_mib, args.body_memory_mib // 4)
+    if not args.max_body_mib <= peer <= args.body_memory_mib:
+        raise ValueError(f"--peer-body-memory-mib: expected --max-body-mib ({args.max_body_mib}) to --body-memory-mib "
+                         f"({args.body_memory_mib}), so that a body of the largest size fits, got {peer}")
+    if args.min_body_rate < 0:
+        raise ValueError(f"--min-body-rate: expected KiB/s, 0 or above, got {args.min_body_rate}")
     key = api_key(args.api_key_file) if args.api_key_file else ""
     return Settings(args.host, args.port, runtime_dir, args.unix, args.slots, args.max_items, args.max_body_mib,
                     header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                    max_connections=args.max_connections, body_memory_mib=args.body_memory_mib, api_key=key)
+                    max_connections=args.max_connections, body_memory_mib=args.body_memory_mib,
+                    peer_body_memory_mib=peer, min_body_rate_kib=args.min_body_rate, api_key=key)
 
 
 def allow_open_files(max_connections: int) -> None:

@@ -6,7 +6,8 @@ built from them. Several such processes accept from one listening socket that fr
 passes to them; the kernel hands each connection to one of them. Errors are ``{"error": "..."}`` with 400
 (bad input), 401 (no or a wrong API key, with ``--api-key-file``), 404 (unknown model or path), 408 (headers
 or body too slow), 413 (body too large), 503 (overloaded, not ready, worker died), 504 (timeout), 500 (anything
-else). frontend/limits.py bounds what slow or many clients can hold: time, connections, body memory.
+else). frontend/connections.py bounds what slow or many clients can hold in connections and time, and
+frontend/limits.py what their bodies can: time, pace and memory.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import hmac
 import logging
 import os
+import resource
 import signal
 import socket
 from collections.abc import Awaitable, Callable
@@ -30,8 +32,9 @@ from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.ask import ask_broker
 from shmbroker.client import AsyncClient, BadInput, Overloaded, RequestTimeout, ShmBrokerError, UnknownModel, WorkerDied
 from shmbroker.frontend import kserve
+from shmbroker.frontend.connections import ConnectionGuard, accept_batch
 from shmbroker.frontend.kserve import HttpError
-from shmbroker.frontend.limits import BodyBudget, ConnectionGuard, request_body
+from shmbroker.frontend.limits import BodyBudget, request_body
 from shmbroker.frontend.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -41,10 +44,10 @@ MAX_ITEMS_SETTING = "shmbroker http --max-items"  # what a BAD_SHAPE answer over
 SLOTS_SETTING = "shmbroker http --slots"  # what a wait for a slot that timed out names
 PID_HEADER = "X-Shmbroker-Frontend-Pid"  # which front-end process answered (tests check that several share a port)
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})  # answered without the API key: probes carry none
-BACKLOG = 128
 # An idle keep-alive connection's life: run_app's default (AppRunner's own is an hour). aiohttp applies it to a new
 # connection before its first request too, so it is kept at least as long as --header-timeout, which governs that.
 KEEPALIVE_S = 75.0
+FD_SLACK = 16  # descriptors that come and go beside the counted ones: the executor's questions to the broker
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -79,7 +82,7 @@ class Frontend:
         self.settings = settings
         self.client: AsyncClient | None = None
         self.guard = ConnectionGuard(settings)
-        self.bodies = BodyBudget(settings.body_memory_mib << 20)
+        self.bodies = BodyBudget(settings.body_memory_mib << 20, settings.peer_body_memory_mib << 20)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.max_body_mib << 20,
@@ -226,10 +229,10 @@ class Frontend:
 
 
 class GuardedSite(web.BaseSite):
-    """aiohttp's SockSite, but each connection goes through the front-end's ConnectionGuard."""
+    """aiohttp's SockSite, but the front-end's ConnectionGuard accepts each connection and guards it."""
 
     def __init__(self, runner: web.BaseRunner, sock: socket.socket, guard: ConnectionGuard) -> None:
-        super().__init__(runner, backlog=BACKLOG)
+        super().__init__(runner)
         self._sock = sock
         self._guard = guard
 
@@ -245,8 +248,28 @@ class GuardedSite(web.BaseSite):
         server = self._runner.server
         if server is None:
             raise RuntimeError("GuardedSite: the runner was cleaned up before the site started")
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._guard.factory(server), sock=self._sock, backlog=BACKLOG)
+        self._guard.listen(self._sock, server)
+
+    async def stop(self) -> None:
+        self._guard.stop_listening()
+        await super().stop()
+
+
+def fit_open_files(max_connections: int, clients: int) -> None:
+    """Once the session is up: raise the open-files soft limit to this process's own descriptors, --max-connections
+    and what one loop turn closes, when OWN_FDS was too few (a broker of many workers); a warning naming the
+    option when the hard limit is lower. ``clients``: the client connections among the open descriptors."""
+    own = len(os.listdir("/proc/self/fd")) - clients
+    need = own + FD_SLACK + max_connections + accept_batch(max_connections)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        log.warning("this process holds %d descriptors of its own: with --max-connections %d it needs %d open files "
+                    "and may open %d (ulimit -Hn; LimitNOFILE= in a unit); a flood of connections may be reset: "
+                    "lower --max-connections, or raise the limit", own, max_connections, need, hard)
+        return
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 async def serve(settings: Settings, ready: Connection | None = None, sock: socket.socket | None = None) -> None:
@@ -266,6 +289,7 @@ async def serve(settings: Settings, ready: Connection | None = None, sock: socke
     await site.start()
     await fe.connect(stop)
     if fe.client is not None:
+        fit_open_files(settings.max_connections, fe.guard.held)
         log.info("front-end ready on %s, models %s", site.name, sorted(fe.client.models))
         if ready is not None:
             ready.send(("ready", os.getpid()))

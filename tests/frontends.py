@@ -60,11 +60,13 @@ class Front:
 
         return th.InferenceServerClient(self.url, concurrency=concurrency, network_timeout=60.0)
 
-    def raw(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
-            ) -> tuple[int, dict[str, str], bytes]:
-        """One request on a fresh connection: (status, headers, body)."""
+    def raw(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
+            source: str = "") -> tuple[int, dict[str, str], bytes]:
+        """One request on a fresh connection, from the address ``source`` if given (127.0.0.2 and so on: the
+        front-end tells peers apart by address): (status, headers, body)."""
         conn = (UnixHTTPConnection(self.unix, timeout=60) if self.unix
-                else http.client.HTTPConnection(self.host, self.port, timeout=60))
+                else http.client.HTTPConnection(self.host, self.port, timeout=60,
+                                                source_address=(source, 0) if source else None))
         try:
             conn.request(method, path, body=body, headers=headers or {})
             resp = conn.getresponse()
@@ -74,13 +76,14 @@ class Front:
 
 
 def start_frontend(b: RunningBroker, log_path: Path, workers: int = 2, extra: tuple[str, ...] = (),
-                   unix: Path | None = None) -> Front:
+                   unix: Path | None = None, max_fds: int = 0) -> Front:
     """`shmbroker http --port 0` (or `--unix UNIX`); returns once it printed its ready line (every process has
-    its session)."""
+    its session). ``max_fds``: its open-files limit, soft and hard (0: this process's)."""
     env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir), PYTHONUNBUFFERED="1")
     where = ["--unix", str(unix)] if unix else ["--port", "0"]
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([*CLI, "http", "--workers", str(workers), *where,
+        limit = ["prlimit", f"--nofile={max_fds}:{max_fds}", "--"] if max_fds else []
+        proc = subprocess.Popen([*limit, *CLI, "http", "--workers", str(workers), *where,
                                  "--slots", "32", *extra], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=logf,
                                 text=True)
     assert proc.stdout is not None
