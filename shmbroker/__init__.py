@@ -8,12 +8,13 @@ device), ``shmbroker.client``, ``shmbroker.frontend`` (HTTP and inline front-end
 from __future__ import annotations
 
 import importlib
-import pkgutil
+import os
 from typing import TYPE_CHECKING, Any
 
-# another `shmbroker` on sys.path (an installed wheel) serves what this folder lacks: a copy of the checkout
-# whose links to the role folders were not kept
-__path__ = pkgutil.extend_path(__path__, __name__)
+if not os.path.isfile(os.path.join(__path__[0], "broker", "__init__.py")):
+    # a copy of the checkout whose links to the role folders were lost: it must not run another install's code
+    raise ImportError(f"{__path__[0]} lacks its links to the role folders (shmbroker/broker -> ../broker, ...): "
+                      "restore them (git checkout with core.symlinks = true), or install the wheel")
 
 from shmbroker.broker import __version__ as __version__
 
