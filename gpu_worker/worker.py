@@ -433,8 +433,9 @@ class Worker:
             self._send_ctl(P.AttachOk(msg.session_id, self.sessions[msg.session_id].reply_endpoint))
             return
         try:
-            s = WorkerSession(self._ctx, msg, map_ring(self.runtime_dir, msg), self.worker_id, self.runtime_dir,
-                              self.cfg.file_mode, self.cfg.group_id(), self._gate)
+            ring = map_ring(self.runtime_dir, msg, self.cfg.broker.handshake_timeout_ms / 1e3)
+            s = WorkerSession(self._ctx, msg, ring, self.worker_id, self.runtime_dir, self.cfg.file_mode,
+                              self.cfg.group_id(), self._gate)
         except (OSError, RingError, zmq.ZMQError) as exc:
             log.error("cannot attach session %d: %s", msg.session_id, exc)
             self._send_ctl(P.AttachFailed(msg.session_id, str(exc)))
