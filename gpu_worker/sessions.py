@@ -20,13 +20,13 @@ from shmbroker.broker.common.ring import RingLayout, Segment
 log = logging.getLogger(__name__)
 
 CLOSE_LINGER_MS = 200  # lets last answers (SHUTTING_DOWN) leave when a session or the worker closes
-HANDOUT_TIMEOUT_S = 5.0  # the broker answers from its loop at once; only a stuck broker takes longer
 
 
-def map_ring(runtime_dir: Path, msg: P.Attach) -> Segment:
-    """The session's ring, from the broker's handout, checked against the layout ``msg`` announces."""
+def map_ring(runtime_dir: Path, msg: P.Attach, timeout_s: float) -> Segment:
+    """The session's ring, from the broker's handout (within ``timeout_s``, the handshake's), checked against
+    the layout ``msg`` announces."""
     layout = RingLayout(msg.session_id, msg.n_slots, msg.in_capacity, msg.out_capacity)
-    return Segment.from_fd(fetch_ring(runtime_dir, msg.session_id, msg.token, HANDOUT_TIMEOUT_S), layout)
+    return Segment.from_fd(fetch_ring(runtime_dir, msg.session_id, msg.token, timeout_s), layout)
 
 
 class WorkerSession:

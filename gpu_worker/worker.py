@@ -39,6 +39,7 @@ INLINE_BATCHES = 8  # due batches of a cheap model run inline per wake-up; the r
 SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
 SWEEP_S = 0.002  # how often queued requests are checked for expired deadlines
 SUBMITTED = int(SlotState.SUBMITTED)  # a plain int: compared once per request on the hot path
+DATA_DOMAIN = "data"  # the data socket's ZAP domain (broker.common.peergate)
 
 
 class Worker:
@@ -62,12 +63,17 @@ class Worker:
         # never answered can see why (counted on the drop paths only, never on the fast path)
         self.dropped: dict[str, int] = {}
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._gate = PeerGate(self._ctx)  # each reply socket admits its session's client's uid only
+        # Each reply socket admits its session's client's uid only; the data socket, any uid that can open it.
+        # Both pace each uid's connections: a session has one of each, so a uid's sessions reconnect at once
+        # after a restart, and a uid whose connections ZeroMQ drops in a loop waits for its turn.
+        self._gate = PeerGate(self._ctx, burst=2 * cfg.sessions.max_sessions_per_uid)
+        self._gate.allow(DATA_DOMAIN, None)
         self._ctl = self._ctx.socket(zmq.DEALER)
         self._data = self._ctx.socket(zmq.PULL)
         for s in (self._ctl, self._data):
             s.setsockopt(zmq.LINGER, 0)
         self._data.setsockopt(zmq.RCVHWM, 0)
+        self._data.setsockopt(zmq.ZAP_DOMAIN, DATA_DOMAIN.encode())
         # Built once: Socket.poll() builds a Poller per call, and it and get(EVENTS) each cost twice a poll of
         # this one (bench/RESULTS.md#slot-header-answers-yielding-spinners-submit-hints).
         self._data_ready = zmq.Poller()
@@ -213,11 +219,14 @@ class Worker:
     # -- data plane ----------------------------------------------------------------------------------------
     def _drain_data(self) -> None:
         """Take the SUBMITs waiting on the data socket; called once poll said at least one is there."""
-        self.on_submit(self._data.recv_multipart(zmq.NOBLOCK))
-        for _ in range(255):  # bounded, so control messages are not starved
-            if not self._data_ready.poll(0):  # cheaper than a zmq.Again per drain
+        for i in range(256):  # bounded, so control messages are not starved
+            if i and not self._data_ready.poll(0):  # cheaper than a zmq.Again per drain
                 return
-            self.on_submit(self._data.recv_multipart(zmq.NOBLOCK))
+            try:
+                frames = self._data.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:  # the sender's connection ended in the middle of it: nothing to take
+                return
+            self.on_submit(frames)
 
     def on_submit(self, frames: list[bytes]) -> None:
         """Check and queue every request of one SUBMIT; answer the rejected ones at once."""
@@ -433,8 +442,9 @@ class Worker:
             self._send_ctl(P.AttachOk(msg.session_id, self.sessions[msg.session_id].reply_endpoint))
             return
         try:
-            s = WorkerSession(self._ctx, msg, map_ring(self.runtime_dir, msg), self.worker_id, self.runtime_dir,
-                              self.cfg.file_mode, self.cfg.group_id(), self._gate)
+            ring = map_ring(self.runtime_dir, msg, self.cfg.broker.handshake_timeout_ms / 1e3)
+            s = WorkerSession(self._ctx, msg, ring, self.worker_id, self.runtime_dir, self.cfg.file_mode,
+                              self.cfg.group_id(), self._gate)
         except (OSError, RingError, zmq.ZMQError) as exc:
             log.error("cannot attach session %d: %s", msg.session_id, exc)
             self._send_ctl(P.AttachFailed(msg.session_id, str(exc)))

@@ -7,7 +7,8 @@ raw ZeroMQ sockets as a hostile program would:
   and an HTTP infer body: answered as a malformed message (ERROR BAD_MESSAGE, HTTP 400), never a crash;
 - frames over the receiving socket's ZMQ_MAXMSGSIZE (a SUBMIT to a worker, a HELLO to the broker): ZeroMQ
   closes that peer's connection before anything is decoded; every other peer goes on being served, and the
-  offender's socket reconnects and is served again once it sends legal messages;
+  offender's socket reconnects and is served again once it sends legal messages; a peer that does so in a
+  loop gets connections at its uid's pace only (broker.common.peergate);
 - a SUBMIT's header (session and token) is checked before its body is decoded;
 - a killed worker's reply socket files are removed when the broker reaps it.
 """
@@ -17,6 +18,8 @@ from __future__ import annotations
 import os
 import signal
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,8 +31,17 @@ from zmq.utils.monitor import recv_monitor_message
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common import runtime
+from shmbroker.broker.common.peergate import CONNECTS_PER_S
 from shmbroker.client import Client, WorkerDied
-from tests.conftest import TINY_MODELS, RunningBroker, arr, running_broker, start_broker, wait_for_new_worker
+from tests.conftest import (
+    REPO,
+    TINY_MODELS,
+    RunningBroker,
+    arr,
+    running_broker,
+    start_broker,
+    wait_for_new_worker,
+)
 from tests.frontends import start_frontend
 from tests.models import direct
 from tests.rawclient import RawClient
@@ -173,6 +185,77 @@ def test_oversized_submit_is_refused_before_decoding_and_the_worker_keeps_servin
     finally:
         raw.close()
     assert P.max_submit_bytes(1) < OVERSIZED
+
+
+RECONNECTOR = """
+import time, zmq
+from zmq.utils.monitor import recv_monitor_message
+from shmbroker.broker.common import protocol as P
+def main(endpoint, sockets, seconds, nbytes):
+    ctx = zmq.Context()
+    frames = [P.envelope(P.MsgKind.SUBMIT), zmq.Frame(bytes(int(nbytes)))]  # session 0, token 0: a wrong one
+    socks, mons = [], []
+    for _ in range(int(sockets)):
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RECONNECT_IVL, 1)  # reconnect at once after each drop
+        mons.append(s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
+        s.connect(endpoint)
+        socks.append(s)
+    poller = zmq.Poller()
+    for m in mons:
+        poller.register(m, zmq.POLLIN)
+    print("ready", flush=True)
+    handshakes, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < float(seconds):
+        for s in socks:
+            try:
+                s.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                pass
+        for m, _ in poller.poll(1):
+            recv_monitor_message(m)
+            handshakes += 1
+    print("handshakes", handshakes, time.monotonic() - t0, flush=True)
+"""
+
+
+def test_a_peer_looping_oversized_frames_is_paced_and_others_are_served(tmp_path: Path) -> None:
+    """50 sockets send SUBMITs over the data socket's ZMQ_MAXMSGSIZE and reconnect at once after each drop:
+    the worker admits that uid's connections at its pace only (its burst, then CONNECTS_PER_S), so the
+    loop cannot keep the worker's IO thread busy; a session open meanwhile gets every answer, right."""
+    per_uid = 4
+    b = start_broker(tmp_path, "process", models=TINY_MODELS,
+                     sessions=f"default_slots = 8\nmax_sessions_per_uid = {per_uid}\nmax_sessions = 8")
+    try:
+        worker = b.worker_pids()
+        before = dropped(b)
+        with Client(b.runtime_dir) as bystander:
+            proc = subprocess.Popen([sys.executable, "-c", f"{RECONNECTOR}\nimport sys\nmain(*sys.argv[1:])\n",
+                                     runtime.worker_endpoint(b.runtime_dir, 0), "50", "5", str(OVERSIZED)],
+                                    cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                                    text=True)
+            assert proc.stdout is not None
+            try:
+                assert proc.stdout.readline().strip() == "ready"
+                answered = 0
+                while proc.poll() is None:
+                    np.testing.assert_allclose(arr(bystander.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
+                    answered += 1
+                out, _ = proc.communicate(timeout=60)
+            finally:
+                proc.kill()
+            assert answered > 0
+        _, handshakes, elapsed = out.split()
+        burst = 2 * per_uid  # the worker's: a data and a reply connection per session
+        assert int(handshakes) <= burst + CONNECTS_PER_S * (float(elapsed) + 1), out
+        decoded = (P.DropReason.MALFORMED, P.DropReason.UNKNOWN_SESSION, P.DropReason.WRONG_TOKEN)
+        after = dropped(b)
+        assert [after.get(k, 0) for k in decoded] == [before.get(k, 0) for k in decoded], "an oversized SUBMIT was read"
+        assert b.worker_pids() == worker and b.stats().workers[0].restarts == 0
+        assert_serving(b)  # the offender's uid is served again once it stops
+    finally:
+        assert b.stop_released() == 0, b.log()
 
 
 def test_submit_header_is_checked_before_the_body(tiny: RunningBroker) -> None:

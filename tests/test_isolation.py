@@ -25,12 +25,14 @@ from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common import runtime
 from shmbroker.broker.common.handout import HandoutError, fetch_ring
 from shmbroker.broker.serving.sessions import FD_RESERVE, FDS_PER_SESSION
-from shmbroker.client import Client, HandshakeError
-from tests.conftest import REPO, RunningBroker, start_broker, wait_until
+from shmbroker.client import Client, HandshakeError, ShmBrokerError
+from tests.conftest import REPO, RunningBroker, arr, start_broker, wait_until
+from tests.models import direct
 from tests.rawclient import RawClient
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run children as other uids")
 NOBODY, NOGROUP = 65534, 65534  # a member of the broker's group "nogroup" in these tests
+X = np.ones((1, 256), np.float32)
 
 
 @pytest.fixture
@@ -115,7 +117,6 @@ def test_another_user_with_the_token_cannot_get_the_ring(group_broker: RunningBr
         r = run_as(NOBODY, NOGROUP, """
 from pathlib import Path
 from shmbroker.broker.common.handout import HandoutError, fetch_ring
-from shmbroker.broker.serving.sessions import FD_RESERVE, FDS_PER_SESSION
 def main(rd, sid, token):
     try:
         fetch_ring(Path(rd), int(sid), int(token), 10)
@@ -278,3 +279,59 @@ def test_a_client_that_lies_about_its_pid_is_reaped_when_it_dies(group_broker: R
     proc.wait()
     wait_until(lambda: not b.segments(), "the broker reaps the dead client's session")
     assert f"client pid {proc.pid} is gone" in b.log()
+
+
+# -- the ring handout under a flood ----------------------------------------------------------------------
+FLOODER = """
+import collections, socket, sys, time
+def main(path, hold, seconds):
+    held = collections.deque()
+    made = 0
+    end = time.monotonic() + float(seconds)
+    print("ready", flush=True)
+    while time.monotonic() < end:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except OSError:  # the backlog is full: try again, as fast as it goes
+            s.close()
+            continue
+        made += 1
+        held.append(s)
+        if len(held) > int(hold):
+            held.popleft().close()
+    print("made", made, flush=True)
+"""
+FLOOD_HOLD = 1200  # silent connections the flooder keeps open (the reported attack)
+
+
+@root_only
+def test_a_member_flooding_rings_sock_leaves_every_session_served(group_broker: RunningBroker) -> None:
+    """A group member holds ~1,200 silent connections to rings.sock and opens more as fast as it can: every
+    session opened meanwhile by another uid gets its ring and a worker, and every request is answered."""
+    b = group_broker
+    proc = subprocess.Popen([sys.executable, "-c", f"import os, sys\n{FLOODER}\nos.setgroups([{NOGROUP}]); "
+                             f"os.setgid({NOGROUP}); os.setuid({NOBODY})\nmain(*sys.argv[1:])\n",
+                             str(b.runtime_dir / runtime.RINGS_SOCKET), str(FLOOD_HOLD), "8"],
+                            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        failures: list[str] = []
+        sessions = 0
+        while proc.poll() is None and sessions < 40:
+            try:
+                with Client(b.runtime_dir, slots=2, connect_timeout=30) as c:
+                    for _ in range(3):
+                        np.testing.assert_allclose(arr(c.infer("tiny", X)), direct("tiny", X), rtol=0, atol=1e-5)
+                sessions += 1
+            except ShmBrokerError as exc:
+                failures.append(f"{type(exc).__name__}: {exc}")
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert not failures, failures[:5]
+    assert sessions >= 5, (sessions, out)  # the flood lasted long enough to meet several sessions
+    assert int(out.split()[-1]) > FLOOD_HOLD, out  # it made more connections than it held: a flood
+    assert b.health().ready

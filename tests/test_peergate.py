@@ -79,3 +79,58 @@ def test_a_forgotten_domain_admits_nobody(ctx: zmq.Context[zmq.Socket[bytes]], t
     finally:
         push.close(0)
         gate.close()
+
+
+def test_any_uid_domain_admits_this_uid(ctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path) -> None:
+    gate = PeerGate(ctx)
+    push = ctx.socket(zmq.PUSH)
+    try:
+        gate.allow("data", None)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.ZAP_DOMAIN, b"data")
+        push.bind(f"ipc://{tmp_path / 'a.sock'}")
+        assert _pull_outcome(ctx, push, f"ipc://{tmp_path / 'a.sock'}") == (zmq.EVENT_HANDSHAKE_SUCCEEDED, b"answer")
+    finally:
+        push.close(0)
+        gate.close()
+
+
+def test_connections_past_a_uids_burst_wait_for_their_turn(ctx: zmq.Context[zmq.Socket[bytes]],
+                                                            tmp_path: Path) -> None:
+    """burst 2 and one connection a day: the first two are admitted at once, the third waits (unanswered, in
+    its handshake) and is never refused; a faster pace admits all."""
+    address = f"ipc://{tmp_path / 'p.sock'}"
+    for per_s, admitted in ((1 / 86400, 2), (1000.0, 3)):
+        gate = PeerGate(ctx, burst=2, per_s=per_s)
+        pull = ctx.socket(zmq.PULL)
+        pushes, mons = [], []
+        try:
+            gate.allow("paced", None)
+            pull.setsockopt(zmq.LINGER, 0)
+            pull.setsockopt(zmq.ZAP_DOMAIN, b"paced")
+            pull.bind(address)
+            for _ in range(3):
+                push = ctx.socket(zmq.PUSH)
+                push.setsockopt(zmq.LINGER, 0)
+                mons.append(push.get_monitor_socket(HANDSHAKE_EVENTS))
+                push.connect(address)
+                pushes.append(push)
+            poller = zmq.Poller()
+            for mon in mons:
+                poller.register(mon, zmq.POLLIN)
+            events: list[int] = []
+            while len(events) < admitted:  # in whichever order the connections reached the gate
+                ready = poller.poll(10_000)
+                assert ready, f"no handshake event after {events}"
+                events += [int(zmq.utils.monitor.recv_monitor_message(m)["event"]) for m, _ in ready]
+            assert events == [zmq.EVENT_HANDSHAKE_SUCCEEDED] * admitted
+            if admitted < 3:
+                assert not poller.poll(1000), "the third connection was answered past its uid's pace"
+        finally:
+            for push in pushes:
+                push.disable_monitor()
+                push.close(0)
+            for mon in mons:
+                mon.close(0)
+            pull.close(0)
+            gate.close()

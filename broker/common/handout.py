@@ -28,7 +28,14 @@ from shmbroker.broker.common.ring import Segment
 log = logging.getLogger(__name__)
 
 UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-MAX_PENDING = 64  # connections accepted whose request has not come yet; beyond, the oldest is dropped
+TIMEVAL = struct.Struct("ll")  # struct timeval: SO_SNDTIMEO and SO_RCVTIMEO
+# Connections accepted whose request has not come yet. A peer sends its request right after connecting, so a
+# silent one is closed after FIRST_BYTES_S; a uid keeps at most MAX_PENDING_PER_UID (its oldest goes first), so
+# one user's silent connections never displace another's, and MAX_PENDING bounds the broker's descriptors.
+FIRST_BYTES_S = 1.0
+MAX_PENDING_PER_UID = 16
+MAX_PENDING = 1024
+ACCEPT_BATCH = 1024  # connections taken from the backlog per readiness report, so a flood cannot fill it
 
 
 class HandoutError(ConnectionError):
@@ -84,7 +91,8 @@ class RingHandout:
                  timeout_s: float) -> None:
         self._lookup = lookup
         self._timeout_s = timeout_s
-        self._pending: dict[int, tuple[socket.socket, float]] = {}  # fd -> (connection, deadline)
+        self._pending: dict[int, tuple[socket.socket, float, int]] = {}  # fd -> (connection, deadline, uid)
+        self._of_uid: dict[int, dict[int, None]] = {}  # uid -> its pending fds, oldest first
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a dead broker's; the instance lock says no live one uses it
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -92,7 +100,7 @@ class RingHandout:
         os.chmod(path, mode)
         if gid is not None:
             os.chown(path, -1, gid)
-        self._listener.listen(128)
+        self._listener.listen(socket.SOMAXCONN)  # the kernel caps it at net.core.somaxconn
         self._listener.setblocking(False)
         self.path = path
 
@@ -109,22 +117,25 @@ class RingHandout:
             self._serve_if_sent(entry[0])
 
     def expire(self, now: float) -> None:
-        """Close connections that sent no request within the handshake timeout."""
-        for fd, (conn, deadline) in list(self._pending.items()):
-            if now > deadline:
-                del self._pending[fd]
-                conn.close()
+        """Close connections that sent no request within FIRST_BYTES_S (or the handshake timeout, if shorter)."""
+        while self._pending:
+            fd, (_conn, deadline, _uid) = next(iter(self._pending.items()))
+            if now <= deadline:  # in accept order, so in deadline order: the rest are younger
+                return
+            self._drop(fd)
 
     def close(self) -> None:
-        for conn, _deadline in self._pending.values():
+        for conn, _deadline, _uid in self._pending.values():
             conn.close()
         self._pending.clear()
+        self._of_uid.clear()
         self._listener.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
     def _accept(self, now: float) -> None:
-        for _ in range(MAX_PENDING):
+        deadline = now + min(FIRST_BYTES_S, self._timeout_s)
+        for _ in range(ACCEPT_BATCH):
             try:
                 conn, _addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -133,24 +144,43 @@ class RingHandout:
                 log.warning("ring handout: cannot accept (%s)", exc.strerror)
                 return
             conn.setblocking(False)
-            if len(self._pending) >= MAX_PENDING:
-                oldest = next(iter(self._pending))
-                self._pending.pop(oldest)[0].close()
-            self._pending[conn.fileno()] = (conn, now + self._timeout_s)
-            self._serve_if_sent(conn)
+            uid = peer_of(conn).uid
+            fd = conn.fileno()
+            self._pending[fd] = (conn, deadline, uid)
+            self._of_uid.setdefault(uid, {})[fd] = None
+            if self._serve_if_sent(conn):
+                continue
+            if len(self._of_uid[uid]) > MAX_PENDING_PER_UID:
+                self._drop(next(iter(self._of_uid[uid])))
+            if len(self._pending) > MAX_PENDING:  # the uid with the most waiting loses its oldest
+                busiest = max(self._of_uid, key=lambda u: len(self._of_uid[u]))
+                self._drop(next(iter(self._of_uid[busiest])))
 
-    def _serve_if_sent(self, conn: socket.socket) -> None:
-        """Answer the connection's request if it has come (it then leaves ``_pending``); else it waits there
-        for the poller. A readiness report may be stale (the descriptor number reused within a turn): the
-        non-blocking read tells."""
+    def _drop(self, fd: int) -> None:
+        """Close a pending connection unanswered (its peer sees the end of the stream and may ask again)."""
+        self._take(fd).close()
+
+    def _take(self, fd: int) -> socket.socket:
+        """Remove a connection from the pending ones; returns it."""
+        conn, _deadline, uid = self._pending.pop(fd)
+        mine = self._of_uid[uid]
+        del mine[fd]
+        if not mine:
+            del self._of_uid[uid]
+        return conn
+
+    def _serve_if_sent(self, conn: socket.socket) -> bool:
+        """Answer the connection's request if it has come (it then leaves ``_pending``; True); else it waits
+        there for the poller. A readiness report may be stale (the descriptor number reused within a turn):
+        the non-blocking read tells."""
         try:
             data = conn.recv(P.RING_REQUEST.size + 1)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             data = b""
-        self._pending.pop(conn.fileno(), None)
-        self._answer(conn, data)
+        self._answer(self._take(conn.fileno()), data)
+        return True
 
     def _answer(self, conn: socket.socket, data: bytes) -> None:
         """RING_GRANT, with the descriptor when granted; then the connection closes."""
@@ -196,22 +226,17 @@ _WHY = {
 def fetch_ring(runtime_dir: Path, session_id: int, token: int, timeout_s: float) -> int:
     """Ask the broker for a session's segment; returns the descriptor (the caller owns it).
 
-    Raises HandoutError when the broker refuses or does not answer within ``timeout_s``."""
+    While the handout's backlog is full the connect waits in the kernel for room, and a connection the broker
+    closed unanswered (it sheds silent ones under a flood) is asked again, all within ``timeout_s``. Raises
+    HandoutError when the broker refuses, is not there, or does not answer in time."""
     path = runtime_dir / runtime.RINGS_SOCKET
     deadline = time.monotonic() + timeout_s
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
-        s.settimeout(timeout_s)
-        try:
-            s.connect(str(path))
-            s.send(P.RING_REQUEST.pack(P.MsgKind.RING_REQUEST, P.PROTOCOL_VERSION, session_id, token))
-            s.settimeout(max(deadline - time.monotonic(), 1e-3))
-            data, fds, _flags, _addr = socket.recv_fds(s, P.RING_GRANT.size, 1)
-        except TimeoutError:
-            raise HandoutError(f"the broker did not hand over session {session_id}'s ring within {timeout_s:g} s "
-                               "(broker.handshake_timeout_ms)") from None
-        except OSError as exc:
-            raise HandoutError(f"cannot ask the broker for session {session_id}'s ring at {path}: "
-                               f"{exc.strerror or exc}") from None
+    while True:
+        data, fds = _ask(path, session_id, token, deadline)
+        if data:
+            break
+        if time.monotonic() >= deadline:  # closed unanswered each time: asked again while time was left
+            raise _late(session_id, path, timeout_s)
     if len(data) != P.RING_GRANT.size or P.RING_GRANT.unpack(data)[0] != P.MsgKind.RING_GRANT:
         for fd in fds:
             os.close(fd)
@@ -224,3 +249,37 @@ def fetch_ring(runtime_dir: Path, session_id: int, token: int, timeout_s: float)
         raise HandoutError(f"the broker refused session {session_id}'s ring: {why or f'status {status}'}")
     return fds[0]
 
+
+def _ask(path: Path, session_id: int, token: int, deadline: float) -> tuple[bytes, list[int]]:
+    """One exchange on a blocking socket whose send and receive timeouts are the time left (a full backlog
+    makes connect wait for room up to the send timeout); returns the answer and its descriptors, or empty
+    data when the broker closed the connection unanswered."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
+        try:
+            _time_left(s, socket.SO_SNDTIMEO, deadline)
+            s.connect(str(path))
+            s.send(P.RING_REQUEST.pack(P.MsgKind.RING_REQUEST, P.PROTOCOL_VERSION, session_id, token))
+            _time_left(s, socket.SO_RCVTIMEO, deadline)
+            data, fds, _flags, _addr = socket.recv_fds(s, P.RING_GRANT.size, 1)
+        except (BlockingIOError, TimeoutError, ConnectionResetError, BrokenPipeError):
+            return b"", []  # the time left ran out (a full backlog, or no answer), or closed unanswered
+        except OSError as exc:
+            raise HandoutError(f"cannot ask the broker for session {session_id}'s ring at {path}: "
+                               f"{exc.strerror or exc}") from None
+    if not data:  # closed unanswered
+        for fd in fds:
+            os.close(fd)
+        return b"", []
+    return data, fds
+
+
+def _late(session_id: int, path: Path, timeout_s: float) -> HandoutError:
+    """The timeout's error, naming the setting to change."""
+    return HandoutError(f"the broker did not hand over session {session_id}'s ring within {timeout_s:g} s (its "
+                        f"handout at {path} is busy or stuck; raise broker.handshake_timeout_ms)")
+
+
+def _time_left(s: socket.socket, option: int, deadline: float) -> None:
+    """Set a send or receive timeout of the time left until ``deadline`` (at least 1 ms: 0 means none)."""
+    left = max(deadline - time.monotonic(), 1e-3)
+    s.setsockopt(socket.SOL_SOCKET, option, TIMEVAL.pack(int(left), int(left % 1 * 1e6)))

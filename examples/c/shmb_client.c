@@ -18,11 +18,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -105,27 +107,43 @@ typedef struct {
     int fd;
 } session_t;
 
-/* §3.2: one SOCK_SEQPACKET exchange on rings.sock; RING_GRANT carries the segment's descriptor (SCM_RIGHTS) */
+/* §3.2: one SOCK_SEQPACKET exchange on rings.sock; RING_GRANT carries the segment's descriptor (SCM_RIGHTS).
+   A full backlog makes connect wait for room (SO_SNDTIMEO); a connection closed unanswered is asked again. */
 static int fetch_ring(const char *dir, uint32_t session_id, uint64_t token) {
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     if ((size_t)snprintf(sa.sun_path, sizeof sa.sun_path, "%s/rings.sock", dir) >= sizeof sa.sun_path)
         die(1, "the runtime directory's path is too long for a unix socket");
-    int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    if (sock < 0 || connect(sock, (struct sockaddr *)&sa, sizeof sa) != 0) die(1, "cannot connect to rings.sock");
     uint8_t req[16];
     uint16_t head[2] = {RING_REQUEST, PROTOCOL}; /* kind, protocol version (little-endian hosts) */
     memcpy(req, head, 4);
     memcpy(req + 4, &session_id, 4);
     memcpy(req + 8, &token, 8);
-    if (send(sock, req, sizeof req, 0) != (ssize_t)sizeof req) die(1, "cannot send RING_REQUEST");
     uint8_t grant[12];
     char cbuf[CMSG_SPACE(sizeof(int))];
     struct iovec iov = {grant, sizeof grant};
-    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
-    struct timeval tv = {WAIT_MS / 1000, 0};
-    setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    ssize_t got = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
-    close(sock);
+    struct msghdr mh;
+    ssize_t got = 0;
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long left_ms = WAIT_MS - (now.tv_sec - start.tv_sec) * 1000 - (now.tv_nsec - start.tv_nsec) / 1000000;
+        if (left_ms <= 0) die(1, "no RING_GRANT from rings.sock within 30 s (the handout is busy or stuck)");
+        struct timeval tv = {left_ms / 1000, (left_ms % 1000) * 1000};
+        int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+        if (sock < 0) die(1, "cannot create a socket for rings.sock");
+        setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+        setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        if (connect(sock, (struct sockaddr *)&sa, sizeof sa) != 0) {
+            if (errno == EAGAIN) { close(sock); continue; } /* the time left ran out; checked above */
+            die(1, "cannot connect to rings.sock");
+        }
+        mh = (struct msghdr){.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+        got = send(sock, req, sizeof req, MSG_NOSIGNAL) == (ssize_t)sizeof req ? recvmsg(sock, &mh, MSG_CMSG_CLOEXEC) : 0;
+        close(sock);
+        if (got > 0) break;
+        if (got < 0 && errno != EAGAIN && errno != ECONNRESET) die(1, "cannot receive RING_GRANT");
+    }
     uint16_t kind_status[2];
     memcpy(kind_status, grant, 4);
     struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
