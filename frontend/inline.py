@@ -74,8 +74,9 @@ class InlineReply(msgspec.Struct, frozen=True):
 
 
 class InlineModelsReply(msgspec.Struct, frozen=True):
-    """What the gateway serves: ``max_items`` is its session's rows limit, so a request may have
-    ``min(max_items, model.max_batch)`` rows."""
+    """What the gateway serves: ``max_items`` is the rows limit, the largest ``max_batch``, so a request may have
+    ``min(max_items, model.max_batch)`` rows (the gateway's client sends one of more rows than a slot holds as
+    parts)."""
 
     models: list[P.ModelInfo]
     max_items: int
@@ -128,6 +129,11 @@ def _header_id(header: bytes) -> int:
     except msgspec.DecodeError:
         return 0
     return rid if rid in _ID_RANGE else 0
+
+
+def rows_limit(models: Mapping[str, ModelPlan]) -> int:
+    """The most rows a request may have: the largest ``max_batch`` (each model's own binds too)."""
+    return max(p.info.max_batch for p in models.values())
 
 
 def request_id(frames: list[bytes]) -> int:
@@ -338,10 +344,10 @@ class Gateway:
         try:
             if _asks_models(frames):
                 answer = InlineModelsReply([p.info for p in self.client.models.values()],
-                                           self.client.client.max_items)
+                                           rows_limit(self.client.models))
                 reply = [P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_MODELS_REPLY), _ENCODE.encode(answer)]
             else:
-                req, arrays = decode_request(frames, self.client.models, self.client.client.max_items)
+                req, arrays = decode_request(frames, self.client.models, rows_limit(self.client.models))
                 rid = req.id
                 reply, status, inner = await self._infer(req, arrays)
         except Refused as exc:
