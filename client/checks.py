@@ -38,7 +38,7 @@ def check_rows(plan: ModelPlan, rows: int, field: str, max_items: int, setting: 
         why = f"model {plan.info.name!r} has max_batch {plan.info.max_batch}"
     elif rows >= 1:
         why = (f"a zero-copy request fills one slot, and a slot of this session holds {max_items} rows: raise it "
-               f"with {setting} (or the broker's [sessions] default_max_items), or send the "
+               f"with {setting} (or the broker's [sessions] default_max_items or default_ring_mib), or send the "
                f"request with infer(), submit() or call(), which split it into parts")
     else:
         why = "a request has at least one row"

@@ -67,8 +67,8 @@ class Client:
     """One session with the broker: a ring of slots, links to the workers, an IO thread.
 
     ``slots``: requests in flight at once (0: the broker's ``[sessions] default_slots``). ``max_items``: rows a
-    slot holds (0: the broker's ``[sessions] default_max_items``, by default the largest ``max_batch`` of the
-    served models); above every ``max_batch`` it is lowered to the largest, with a warning. ``infer``,
+    slot holds (0: the broker's ``[sessions] default_max_items``, by default as many as keep the ring within
+    ``default_ring_mib``); above every ``max_batch`` it is lowered to the largest, with a warning. ``infer``,
     ``submit`` and ``call`` take up to the model's ``max_batch`` rows whatever it is, sending a request of more
     rows than a slot holds as parts (client.parts); a zero-copy ``request`` has one slot's rows at most.
     ``spin_us``: how long a thread that waits for answers (a caller in ``infer()``, the IO thread while requests

@@ -19,7 +19,7 @@ from shmbroker.client.client import Outputs
 from tests.conftest import RunningBroker, arr, running_broker
 from tests.models import direct
 
-# tiny at max_batch 256, in 4 slots a session
+# tiny at max_batch 256; a default session's 4 slots are sized by a 1 MiB ring budget: about 127 rows each
 BIG_TINY = """
 [models.tiny]
 path = "builtin:tiny"
@@ -29,7 +29,7 @@ max_queue_size = 1024
 timeout_ms = 20000
 intra_op_threads = 1
 """
-SESSIONS = "default_slots = 4"
+SESSIONS = "default_slots = 4\ndefault_ring_mib = 1"
 ROWS = 256
 PART = 10  # Client(max_items=PART): 26 parts through 4 slots
 
@@ -89,6 +89,14 @@ def test_a_request_of_more_rows_than_a_slot_holds_is_answered_whole_and_in_order
         np.testing.assert_allclose(arr(APIS[api](c, one)), direct("tiny", one), rtol=0, atol=1e-5)
 
 
+def test_a_default_session_splits_a_max_batch_request_by_the_ring_budget(big: RunningBroker) -> None:
+    x = _x(3)
+    with Client(big.runtime_dir) as c:
+        assert c.segment.layout.total_bytes <= 1 << 20  # [sessions] default_ring_mib = 1
+        assert 1 <= c.max_items < ROWS
+        np.testing.assert_allclose(arr(c.infer("tiny", x)), direct("tiny", x), rtol=0, atol=1e-5)
+
+
 def test_several_threads_send_parts_and_single_requests_at_once(big: RunningBroker) -> None:
     xs = [_x(10 + k, rows) for k, rows in enumerate((ROWS, 1, 37, ROWS, 5, 200))]
     with Client(big.runtime_dir, max_items=PART) as c:
@@ -130,7 +138,7 @@ def test_a_zero_copy_request_has_one_slots_rows_and_the_error_names_the_setting(
             pass
         assert e.value.code == "BAD_SHAPE"
         assert f"rows: expected 1..{PART} rows" in str(e.value)
-        assert "Client(max_items=...)" in str(e.value)
+        assert "Client(max_items=...)" in str(e.value) and "default_ring_mib" in str(e.value)
         with c.request("tiny", rows=PART) as req:  # a slot's rows: served
             req.inputs["x"][...] = 1.0
             assert arr(req.run()).shape == (PART, 256)
