@@ -3,7 +3,9 @@
 It shares the synchronous client's session and IO thread: a request is a ``Client.call`` whose callback settles
 an asyncio future on the loop, one hand-off per answer as for callbacks. Submits made in one event-loop turn are
 sent as one message per worker, and a semaphore over the slots keeps the loop from ever blocking on a slot:
-a request holds its permit from before its slot is taken until after the slot is free again.
+a request holds its permit from before its slot is taken until after the slot is free again. A request of more
+rows than a slot holds is sent as parts (``Client.parts``), each with a permit of its own as one comes, while
+none has failed; their outputs are concatenated.
 """
 
 from __future__ import annotations
@@ -93,11 +95,54 @@ class AsyncClient:
         one. Its permit goes back when the answer comes, not when the await ends: a cancelled await (say
         ``asyncio.wait_for``) leaves the slot to the worker until then.
         """
+        parts = self._client.parts(model, inputs)
+        if parts is not None:
+            return await self._infer_parts(model, parts, timeout)
         if timeout is None or not self._sem.locked():  # inline: one coroutine less per request
             await self._sem.acquire()
         else:
             await self._slot_within(timeout)
         return await self._sent(lambda done: self._client.call(model, inputs, done, timeout), lambda: True)
+
+    async def _infer_parts(self, model: str, parts: list[Inputs], timeout: float | None) -> Outputs:
+        """A request of more rows than a slot holds, as one request per part, each sent once a permit comes and
+        while no part has failed, with the time left of the whole request's deadline; the outputs concatenated in
+        order, or the first failed part's error."""
+        loop = asyncio.get_running_loop()
+        budget = timeout if timeout is not None else self._client.models[model].info.timeout_ms / 1e3
+        deadline = loop.time() + budget
+        answers: list[asyncio.Future[Outputs]] = []
+        failed: list[asyncio.Future[Outputs]] = []
+        error: ShmBrokerError | None = None
+        try:
+            for part in parts:
+                if failed:
+                    break
+                left = deadline - loop.time()
+                try:
+                    if left <= 0:
+                        raise RequestTimeout(f"the request's parts were not all sent within its timeout ({budget:g} s)")
+                    await self._permit(left)
+                    answer = self._sent(functools.partial(self._client.call, model, part, timeout=left), lambda: True)
+                except ShmBrokerError as exc:
+                    error = exc
+                    break
+                answer.add_done_callback(lambda a: failed.append(a) if not a.cancelled() and a.exception() else None)
+                answers.append(answer)
+            outs = await asyncio.gather(*answers, return_exceptions=True)
+        except BaseException:
+            for a in answers:  # cancelled: a part still out gives its permit back when answered (_settle)
+                a.cancel()
+            raise
+        for out in outs:
+            if isinstance(out, BaseException):
+                raise out
+        if error is not None:
+            raise error
+        first = outs[0]
+        if isinstance(first, dict):
+            return {name: np.concatenate([o[name] for o in outs]) for name in first}  # type: ignore[index]
+        return np.concatenate(outs)  # type: ignore[arg-type]
 
     @contextlib.asynccontextmanager
     async def request(self, model: str, rows: int = 1, timeout: float | None = None) -> AsyncIterator[AsyncRequest]:

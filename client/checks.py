@@ -37,8 +37,9 @@ def check_rows(plan: ModelPlan, rows: int, field: str, max_items: int, setting: 
     if rows > plan.info.max_batch:
         why = f"model {plan.info.name!r} has max_batch {plan.info.max_batch}"
     elif rows >= 1:
-        why = (f"this session takes at most {max_items} rows a request: raise it with {setting}, or the broker's "
-               f"[sessions] default_max_items")
+        why = (f"a zero-copy request fills one slot, and a slot of this session holds {max_items} rows: raise it "
+               f"with {setting} (or the broker's [sessions] default_max_items or default_ring_mib), or send the "
+               f"request with infer(), submit() or call(), which split it into parts")
     else:
         why = "a request has at least one row"
     raise BadInput(f"{field}: expected 1..{min(plan.info.max_batch, max_items)} rows ({why}), got {rows}",

@@ -39,6 +39,7 @@ from shmbroker.client.errors import (
 from shmbroker.client.future import ClientFuture
 from shmbroker.client.hintwait import HintWait
 from shmbroker.client.links import Links
+from shmbroker.client.parts import Answered, Parts
 from shmbroker.client.receiving import Receiver
 from shmbroker.client.rejoin import RETRY_S, Rejoin
 from shmbroker.client.request import Callback, HeldSlot, Outputs, Request
@@ -66,11 +67,13 @@ class Client:
     """One session with the broker: a ring of slots, links to the workers, an IO thread.
 
     ``slots``: requests in flight at once (0: the broker's ``[sessions] default_slots``). ``max_items``: rows a
-    request may have, each slot sized for them (0: the broker's ``[sessions] default_max_items``, by default
-    the largest ``max_batch`` of the served models); above every ``max_batch`` it is lowered to the largest,
-    with a warning. ``spin_us``: how long a thread that waits for answers (a caller in ``infer()``, the IO thread while
-    requests are in flight) polls without sleeping, and only while most recent answers came back that fast
-    (within four windows for the IO thread; broker.common.spin, client.receiving.IO_SPIN_REACH); 0: never.
+    slot holds (0: the broker's ``[sessions] default_max_items``, by default as many as keep the ring within
+    ``default_ring_mib``); above every ``max_batch`` it is lowered to the largest, with a warning. ``infer``,
+    ``submit`` and ``call`` take up to the model's ``max_batch`` rows whatever it is, sending a request of more
+    rows than a slot holds as parts (client.parts); a zero-copy ``request`` has one slot's rows at most.
+    ``spin_us``: how long a thread that waits for answers (a caller in ``infer()``, the IO thread while requests
+    are in flight) polls without sleeping, and only while most recent answers came back that fast (within four
+    windows for the IO thread; broker.common.spin, client.receiving.IO_SPIN_REACH); 0: never.
     """
 
     def __init__(
@@ -87,7 +90,7 @@ class Client:
             self._ctx.destroy(linger=0)
             raise
         self.session_id = hs.setup.session_id
-        self.max_items = hs.setup.max_items  # rows a request may have: what the broker granted
+        self.max_items = hs.setup.max_items  # rows a slot holds: what the broker granted
         if max_items > self.max_items:
             log.warning("Client(max_items=%d) is above every served model's max_batch: the session takes %d rows "
                         "a request", max_items, self.max_items)
@@ -124,8 +127,12 @@ class Client:
         The calling thread receives the answer itself (see client.lead), so no thread hand-off is paid.
         """
         self._check_may_wait()
-        plan, slot, views = self._fill(model, inputs, timeout)
+        plan, arrays = self._checked(model, inputs, timeout)
         fut: Future[Outputs] = Future()
+        if arrays[0].shape[0] > self.max_items:
+            deadline = self._send_parts(plan, arrays, timeout, functools.partial(_settle, fut))
+            return self.wait_for(fut, deadline - time.monotonic() + GRACE_S)
+        slot, views = self._fill(plan, arrays, timeout)
         self._send(slot, plan, views, timeout, functools.partial(self._resolve, fut, plan, slot, views), True,
                    hint_wait=True)
         try:
@@ -154,7 +161,12 @@ class Client:
         Futures, the SUBMIT is queued and leaves with that thread's next wait, together with the others queued
         meanwhile, or at the IO thread's next look (client.lead, WATCH_MS), whichever comes first.
         """
-        plan, slot, views = self._fill(model, inputs, timeout)
+        plan, arrays = self._checked(model, inputs, timeout)
+        if arrays[0].shape[0] > self.max_items:
+            fut: ClientFuture[Outputs] = ClientFuture(self._await_future, self._receiver_needed)
+            self._send_parts(plan, arrays, timeout, functools.partial(_settle, fut))
+            return fut
+        slot, views = self._fill(plan, arrays, timeout)
         return self._submit_slot(plan, slot, views, timeout)
 
     def call(self, model: str, inputs: Inputs, callback: Callback, timeout: float | None = None) -> None:
@@ -164,7 +176,11 @@ class Client:
         Exactly one of the two is None. The lightest way to keep many requests in flight: no Future, and
         requests submitted from a callback go out together in one message.
         """
-        plan, slot, views = self._fill(model, inputs, timeout)
+        plan, arrays = self._checked(model, inputs, timeout)
+        if arrays[0].shape[0] > self.max_items:
+            self._send_parts(plan, arrays, timeout, functools.partial(_run_callback, callback))
+            return
+        slot, views = self._fill(plan, arrays, timeout)
         self._call_slot(plan, slot, views, timeout, callback)
 
     @contextlib.contextmanager
@@ -173,7 +189,7 @@ class Client:
         ``req.submit()`` for a Future of them (copied out) without waiting.
 
         The views are valid inside the ``with`` block only; the slot is freed when it ends, or, once submitted,
-        when the request is answered.
+        when the request is answered. ``rows`` is at most a slot's (``max_items``): BadInput names the setting.
         """
         plan = self._plan(model)
         check_timeout(timeout)
@@ -188,6 +204,27 @@ class Client:
             yield req
         finally:
             req.end()
+
+    def parts(self, model: str, inputs: Inputs) -> list[Inputs] | None:
+        """None when ``inputs`` fit one slot, else their cuts of at most a slot's rows (``max_items``), in order,
+        each a request (what ``AsyncClient`` awaits part by part). BadInput as ``infer`` checks them; inputs that
+        would fail the checks may also give None, and then fail when sent."""
+        limit = (self.max_items,)
+        if type(inputs) is np.ndarray:
+            if inputs.shape[:1] <= limit:
+                return None
+        elif isinstance(inputs, Mapping) and all(tuple(getattr(v, "shape", ()))[:1] <= limit
+                                                 for v in inputs.values()):
+            return None
+        plan = self._plan(model)
+        arrays = self._arrays(plan, inputs)
+        rows, step = arrays[0].shape[0], self.max_items
+        if rows <= step:
+            return None
+        specs = plan.info.inputs
+        if len(specs) == 1:
+            return [arrays[0][k : k + step] for k in range(0, rows, step)]
+        return [{s.name: a[k : k + step] for s, a in zip(specs, arrays, strict=True)} for k in range(0, rows, step)]
 
     def corked(self) -> contextlib.AbstractContextManager[None]:
         """``with client.corked():`` SUBMITs made by this thread inside the block are queued, not sent:
@@ -272,17 +309,20 @@ class Client:
             raise UnknownModel(f"model {model!r} is not served; models are {sorted(self.models)}")
         return plan
 
-    def _fill(self, model: str, inputs: Inputs, timeout: float | None) -> tuple[ModelPlan, int, SlotViews]:
-        """Check the inputs, take a slot and copy them into it: (plan, slot, the slot's views)."""
+    def _checked(self, model: str, inputs: Inputs, timeout: float | None) -> tuple[ModelPlan, list[np.ndarray]]:
+        """The model's plan and the inputs as checked arrays in model order; BadInput names the field."""
         plan = self._plan(model)
         if timeout is not None:
             check_timeout(timeout)
-        arrays = self._arrays(plan, inputs)
+        return plan, self._arrays(plan, inputs)
+
+    def _fill(self, plan: ModelPlan, arrays: list[np.ndarray], timeout: float | None) -> tuple[int, SlotViews]:
+        """Take a slot and copy the checked inputs (of at most a slot's rows) into it: (slot, the slot's views)."""
         slot = self._slots.acquire(timeout, self._receiver.on_io_thread)
         views = self._views_for(plan, slot, arrays[0].shape[0])
         for view, arr in zip(views.ins, arrays, strict=True):
             view[...] = arr  # one copy into the slot; the shape and dtype were checked in _arrays
-        return plan, slot, views
+        return slot, views
 
     def _views_for(self, plan: ModelPlan, slot: int, rows: int) -> SlotViews:
         by_slot = self._views[plan.info.model_id]
@@ -296,10 +336,10 @@ class Client:
         if type(inputs) is dict and len(inputs) == 1 and len(specs) == 1:
             inputs = inputs.get(specs[0].name, inputs)  # {name: array} for a one-input model: the array
         if (type(inputs) is np.ndarray and len(specs) == 1 and inputs.dtype == plan.in_dtypes[0]
-                and inputs.shape[1:] == plan.in_item_shapes[0] and 1 <= inputs.shape[0] <= self.max_items
-                and inputs.shape[0] <= plan.info.max_batch):
+                and inputs.shape[1:] == plan.in_item_shapes[0] and 1 <= inputs.shape[0] <= plan.info.max_batch):
             return [inputs]  # the common case, checked in one go; anything else gets the checks that explain
-        return checked_arrays(plan, inputs, self.max_items, self.max_items_setting)
+        # up to max_batch rows: a request of more rows than a slot holds is sent as parts
+        return checked_arrays(plan, inputs, plan.info.max_batch)
 
     def _send(self, slot: int, plan: ModelPlan, views: SlotViews, timeout: float | None,
               on_done: Callable[[P.Result | ShmBrokerError], None], release: bool, hint_wait: bool = False,
@@ -382,6 +422,49 @@ class Client:
         finally:
             self._hint_wait.done()
 
+    def _send_parts(self, plan: ModelPlan, arrays: list[np.ndarray], timeout: float | None,
+                    finish: Callable[[Outputs | None, ShmBrokerError | None], None]) -> float:
+        """Send a request of more rows than a slot holds as parts (client.parts) and return its deadline; raises as
+        a request does when it gets no slot or its first part cannot be sent, else ``finish`` gets its outcome
+        once its last slot is free. The deadline (``timeout``, else the model's ``timeout_ms``) is the whole
+        request's: each part is sent with the time left."""
+        budget = timeout if timeout is not None else plan.info.timeout_ms / 1e3
+        deadline = time.monotonic() + budget
+        rows = arrays[0].shape[0]
+        first = self._slots.acquire(timeout, self._receiver.on_io_thread)
+        slots = [first, *self._slots.take_free(-(-rows // self.max_items) - 1)]
+        outs = [np.empty((rows, *shape), dt) for dt, shape in zip(plan.out_dtypes, plan.out_item_shapes, strict=True)]
+        specs = plan.info.outputs
+
+        def done(value: list[np.ndarray] | None, error: ShmBrokerError | None) -> None:
+            if value is None:
+                finish(None, error)
+            else:
+                finish(value[0] if len(specs) == 1 else {s.name: v for s, v in zip(specs, value, strict=True)}, None)
+
+        parts = Parts(rows, self.max_items, outs, deadline, budget, functools.partial(self._send_part, plan, arrays),
+                      self._slots.release, done)
+        if self._role.parked:  # the parts' answers send the next parts: someone must receive them
+            self._role.unpark()
+        parts.start(slots)
+        return deadline
+
+    def _send_part(self, plan: ModelPlan, arrays: list[np.ndarray], slot: int, first: int, end: int, timeout: float,
+                   answered: Answered) -> None:
+        """Copy rows ``first:end`` of the inputs into ``slot`` (held) and send them; ``answered`` gets the output
+        views in the slot, or the error. The slot stays held: the request's parts reuse it (client.parts)."""
+        if not self._slots.open:
+            raise ClientClosed("the client was closed before every part of the request was sent")
+        views = self._views_for(plan, slot, end - first)
+        for view, arr in zip(views.ins, arrays, strict=True):
+            view[...] = arr[first:end]
+        self._send(slot, plan, views, timeout, functools.partial(self._part_answered, plan, slot, views, answered),
+                   False)
+
+    def _part_answered(self, plan: ModelPlan, slot: int, views: SlotViews, answered: Answered,
+                       r: P.Result | ShmBrokerError) -> None:
+        answered(views.outs if r is views.layout.ok else self._answer_views(plan, slot, r))
+
     # -- completion (the receive role's holder) -----------------------------------------------------------------
     def _await_future(self, fut: Future[T], timeout: float | None) -> float | None:
         """A ClientFuture's wait: send the queued SUBMITs, then receive on this thread until ``fut`` is done or
@@ -405,26 +488,31 @@ class Client:
                  r: P.Result | ShmBrokerError) -> tuple[Outputs | None, ShmBrokerError | None]:
         """(outputs copied out of the slot, None) or (None, the error); the slot is free afterwards."""
         try:
-            if r is views.layout.ok:
-                # OK with the canonical layout of the rows sent (checked byte for byte in _fast_done, or the
-                # slot header's answer): the slot's own views
-                outs: tuple[np.ndarray, ...] | list[np.ndarray] = views.outs
-            elif isinstance(r, ShmBrokerError):
-                return None, r
-            elif r.status != P.Status.OK:
-                return None, from_status(r.status, r.message)
-            else:
-                by_index = {t.index: self.segment.output_view(slot, t.offset, plan.out_dtypes[t.index], t.shape)
-                            for t in r.tensors}
-                outs = [by_index[k] for k in range(len(plan.out_dtypes))]
+            # OK with the canonical layout of the rows sent (checked byte for byte in _fast_done, or the slot
+            # header's answer): the slot's own views
+            outs = views.outs if r is views.layout.ok else self._answer_views(plan, slot, r)
+            if isinstance(outs, ShmBrokerError):
+                return None, outs
             specs = plan.info.outputs
             if len(specs) == 1:
                 return outs[0].copy(), None
             return {s.name: o.copy() for s, o in zip(specs, outs, strict=True)}, None
-        except (RingError, IndexError, KeyError) as exc:  # a worker whose output descriptors do not fit
-            return None, RequestError(f"the worker's output descriptors do not fit the slot: {exc!r}")
         finally:
             self._slots.release(slot)
+
+    def _answer_views(self, plan: ModelPlan, slot: int,
+                      r: P.Result | ShmBrokerError) -> list[np.ndarray] | ShmBrokerError:
+        """An answer other than the canonical OK: its outputs as views of the slot, in model order, or its error."""
+        if isinstance(r, ShmBrokerError):
+            return r
+        if r.status != P.Status.OK:
+            return from_status(r.status, r.message)
+        try:
+            by_index = {t.index: self.segment.output_view(slot, t.offset, plan.out_dtypes[t.index], t.shape)
+                        for t in r.tensors}
+            return [by_index[k] for k in range(len(plan.out_dtypes))]
+        except (RingError, IndexError, KeyError) as exc:  # a worker whose output descriptors do not fit
+            return RequestError(f"the worker's output descriptors do not fit the slot: {exc!r}")
 
     def _resolve(self, fut: Future[Outputs], plan: ModelPlan, slot: int, views: SlotViews,
                  r: P.Result | ShmBrokerError) -> None:
@@ -508,3 +596,21 @@ class Client:
         old.close()
         self._slots.wake_all()  # wait_ready() looks again
         log.info("session %d: the broker is back; new session %d", old_id, self.session_id)
+
+
+def _settle(fut: Future[Outputs], value: Outputs | None, error: ShmBrokerError | None) -> None:
+    """Complete a request's Future (its slots already free)."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)  # type: ignore[arg-type]
+    except InvalidStateError:  # the caller cancelled it (asyncio.wait_for, say): tell concurrent.futures.wait
+        fut.set_running_or_notify_cancel()
+
+
+def _run_callback(callback: Callback, value: Outputs | None, error: ShmBrokerError | None) -> None:
+    try:
+        callback(value, error)
+    except Exception:  # a user's callback must not stop the IO thread that serves every request
+        log.exception("a submit callback raised; the client goes on")

@@ -64,6 +64,16 @@ class Slots:
                 pass
         return self._wait(timeout, io_thread())
 
+    def take_free(self, n: int) -> list[int]:
+        """Up to ``n`` free slots, taken without waiting (none once close() began)."""
+        got: list[int] = []
+        while len(got) < n and self.open:
+            try:
+                got.append(self._free.pop())
+            except IndexError:
+                break
+        return got
+
     def _wait(self, timeout: float | None, io_thread: bool) -> int:
         end = None if timeout is None else time.monotonic() + timeout
         while True:

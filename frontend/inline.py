@@ -75,8 +75,9 @@ class InlineReply(msgspec.Struct, frozen=True):
 
 
 class InlineModelsReply(msgspec.Struct, frozen=True):
-    """What the gateway serves: ``max_items`` is its session's rows limit, so a request may have
-    ``min(max_items, model.max_batch)`` rows."""
+    """What the gateway serves: ``max_items`` is the rows limit, the largest ``max_batch``, so a request may have
+    ``min(max_items, model.max_batch)`` rows (the gateway's client sends one of more rows than a slot holds as
+    parts)."""
 
     models: list[P.ModelInfo]
     max_items: int
@@ -177,6 +178,11 @@ def _header_id(header: bytes) -> int:
         log.exception("reading the id of a header of %d bytes failed", len(header))
         return 0
     return rid if rid in _ID_RANGE else 0
+
+
+def rows_limit(models: Mapping[str, ModelPlan]) -> int:
+    """The most rows a request may have: the largest ``max_batch`` (each model's own binds too)."""
+    return max(p.info.max_batch for p in models.values())
 
 
 def request_id(frames: list[bytes]) -> int:
@@ -410,10 +416,10 @@ class Gateway:
     async def _reply(self, frames: list[bytes]) -> tuple[int, str, list[Any], asyncio.Future[Any] | None]:
         """The id, status and frames of a message's reply, and the session call when it is still running."""
         if _asks_models(frames):
-            answer = InlineModelsReply([p.info for p in self.client.models.values()], self.client.client.max_items)
+            answer = InlineModelsReply([p.info for p in self.client.models.values()], rows_limit(self.client.models))
             return 0, "OK", [P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_MODELS_REPLY), _ENCODE.encode(answer)], None
         try:
-            req, arrays = decode_request(frames, self.client.models, self.client.client.max_items)
+            req, arrays = decode_request(frames, self.client.models, rows_limit(self.client.models))
         except Refused as exc:
             return exc.rid, exc.code, reply_frames(exc.rid, exc.code, str(exc)), None
         try:

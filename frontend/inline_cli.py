@@ -36,8 +36,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "--curve-clients")
     ap.add_argument("--slots", type=int, default=0, help="ring slots, i.e. requests in flight (default: broker's)")
     ap.add_argument("--max-items", type=int, default=0,
-                    help="rows per request (default: the broker's [sessions] default_max_items); callers read it "
-                         "in INLINE_MODELS_REPLY")
+                    help="rows a ring slot holds (default: the broker's [sessions] default_max_items, else as "
+                         "many as default_ring_mib allows); a request of more rows, up to max_batch, is sent as "
+                         "parts")
     ap.add_argument("--max-pending", type=int, default=DEFAULT_MAX_PENDING, metavar="N",
                     help="requests the gateway holds at once, in slots or waiting for one (memory: about N times "
                          "the largest request); past it a request is answered OVERLOADED at once "

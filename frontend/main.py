@@ -228,7 +228,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--slots", type=int, default=0,
                     help="ring slots per process, i.e. its requests in flight (default: the broker's default_slots)")
     ap.add_argument("--max-items", type=int, default=0,
-                    help="rows per request (default: the broker's default_max_items)")
+                    help="rows a ring slot holds (default: the broker's default_max_items, else as many as "
+                         "default_ring_mib allows); a request of more rows, up to max_batch, is sent as parts")
     ap.add_argument("--max-body-mib", type=int, default=64, help="largest request body (default 64 MiB)")
     ap.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                     help="seconds a connection has to send a request's headers, from its opening or from its first "

@@ -19,7 +19,7 @@ class Settings:
     runtime_dir: Path
     unix: str = ""  # a Unix socket's path, listened on instead of host:port
     slots: int = 0  # ring slots of this process's session: its requests in flight (0: the broker's default)
-    max_items: int = 0  # rows per request (0: the broker's default; clamped to the largest max_batch)
+    max_items: int = 0  # rows a slot holds (0: the broker's default); larger requests are sent as parts
     max_body_mib: int = 64
     connect_timeout_s: float = 10.0
     header_timeout_s: float = 10.0  # to send a request's headers, from the opening or the first byte after a reply

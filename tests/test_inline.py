@@ -17,7 +17,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from shmbroker.frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REQUEST, MAX_ITEMS_SETTING
+from shmbroker.frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REQUEST
 from tests.conftest import CLI, REPO, RunningBroker, start_broker
 from tests.frontends import ask_inline, broker_with_gateway, infer_inline, inline_envelope, start_inline, stop_inline
 from tests.models import direct
@@ -47,8 +47,8 @@ def test_ipc_only_by_default_and_models_listed(gateway: tuple[RunningBroker, lis
     answer = msgspec.json.decode(reply[1])
     models = {m["name"]: m for m in answer["models"]}
     assert models["nsfw"]["inputs"] == [{"name": "input:0", "dtype": "float32", "shape": [-1, 224, 224, 3]}]
-    # the rows limit of the gateway's session: a request may have min(max_items, max_batch) rows
-    assert 1 <= answer["max_items"] <= max(m["max_batch"] for m in models.values())
+    # the rows limit: a request may have min(max_items, max_batch) rows, the gateway sending it in parts
+    assert answer["max_items"] == max(m["max_batch"] for m in models.values())
 
 
 def test_results_in_frames_match_onnxruntime(dealer: zmq.Socket[bytes]) -> None:
@@ -103,20 +103,25 @@ def test_a_failed_request_among_several_outstanding_is_named_by_its_id(dealer: z
         np.testing.assert_allclose(y, direct("tiny", x), rtol=0, atol=1e-5)
 
 
-def test_the_rows_limit_is_announced_and_names_its_setting(tmp_path: Path) -> None:
-    """`shmbroker inline --max-items 2`: INLINE_MODELS_REPLY says 2, and 3 rows get BAD_SHAPE naming the option."""
+def test_a_max_batch_request_is_served_through_slots_of_fewer_rows(tmp_path: Path) -> None:
+    """`shmbroker inline --max-items 2`: slots of 2 rows. INLINE_MODELS_REPLY announces the largest max_batch as
+    the rows limit, a request of tiny's max_batch (16) rows is sent as parts and answered whole, and one past it
+    gets BAD_SHAPE naming the model's limit."""
     with broker_with_gateway(tmp_path, "--max-items", "2") as (_b, endpoints):
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
             sock = ctx.socket(zmq.DEALER)
             sock.connect(endpoints[0])
             reply = ask_inline(sock, [inline_envelope(INLINE_MODELS), b"{}"])
-            assert msgspec.json.decode(reply[1])["max_items"] == 2
-            head, _ = infer_inline(sock, "tiny", "x", np.ones((3, 256), np.float32), rid=21)
-            assert (head["id"], head["status"]) == (21, "BAD_SHAPE")
-            assert "expected 1..2 rows" in head["message"] and MAX_ITEMS_SETTING in head["message"], head
-            head, frames = infer_inline(sock, "tiny", "x", np.ones((2, 256), np.float32), rid=22)
-            assert (head["id"], head["status"]) == (22, "OK") and len(frames[0]) == 2 * 1024
+            assert msgspec.json.decode(reply[1])["max_items"] == 16  # tiny's max_batch; nsfw's is 4
+            x = np.random.default_rng(9).standard_normal((16, 256), dtype=np.float32)
+            head, frames = infer_inline(sock, "tiny", "x", x, rid=21)
+            assert (head["id"], head["status"]) == (21, "OK"), head
+            np.testing.assert_allclose(np.frombuffer(frames[0], np.float32).reshape(16, 256), direct("tiny", x),
+                                       rtol=0, atol=1e-5)
+            head, _ = infer_inline(sock, "tiny", "x", np.ones((17, 256), np.float32), rid=22)
+            assert (head["id"], head["status"]) == (22, "BAD_SHAPE")
+            assert "model 'tiny' has max_batch 16" in head["message"], head
         finally:
             ctx.destroy(linger=0)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.protocol import SlotState
-from shmbroker.client import Client
+from shmbroker.client import AsyncClient, Client
 from tests.conftest import RunningBroker, start_broker
 from tests.models import two_io_model
 from tests.rawclient import RawClient
@@ -43,6 +44,40 @@ def test_dict_in_dict_out(two_io: tuple[RunningBroker, Path]) -> None:
         out = c.infer("two", {"b": b, "a": a})
     assert isinstance(out, dict) and sorted(out) == ["r", "y"]
     y, r = expected(model, a, b)
+    np.testing.assert_allclose(out["y"], y, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(out["r"], r, rtol=0, atol=1e-5)
+
+
+def test_dict_in_dict_out_in_parts(two_io: tuple[RunningBroker, Path]) -> None:
+    """8 rows through slots of 3: each input cut alike, each output put back in order (client.parts)."""
+    broker, model = two_io
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((8, 4), dtype=np.float32)
+    b = rng.standard_normal((8, 2), dtype=np.float32)
+    y, r = expected(model, a, b)
+    with Client(broker.runtime_dir, max_items=3) as c:
+        for out in (c.infer("two", {"a": a, "b": b}), c.submit("two", {"b": b, "a": a}).result(60)):
+            assert isinstance(out, dict) and sorted(out) == ["r", "y"]
+            np.testing.assert_allclose(out["y"], y, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(out["r"], r, rtol=0, atol=1e-5)
+
+
+def _async_parts(runtime_dir: Path, a: np.ndarray, b: np.ndarray) -> object:
+    async def run() -> object:
+        async with AsyncClient(runtime_dir, max_items=3) as ac:
+            return await ac.infer("two", {"a": a, "b": b})
+
+    return asyncio.run(run())
+
+
+def test_dict_in_dict_out_in_parts_on_an_event_loop(two_io: tuple[RunningBroker, Path]) -> None:
+    broker, model = two_io
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((7, 4), dtype=np.float32)
+    b = rng.standard_normal((7, 2), dtype=np.float32)
+    out = _async_parts(broker.runtime_dir, a, b)
+    y, r = expected(model, a, b)
+    assert isinstance(out, dict) and sorted(out) == ["r", "y"]
     np.testing.assert_allclose(out["y"], y, rtol=0, atol=1e-5)
     np.testing.assert_allclose(out["r"], r, rtol=0, atol=1e-5)
 

@@ -100,7 +100,7 @@ def test_a_large_ring_costs_the_broker_no_memory_at_hello(tmp_path: Path) -> Non
     """Creating a ring touches none of its pages on the broker's loop: a 2 GiB HELLO leaves the broker's
     memory as it was, and it keeps answering."""
     b = start_broker(tmp_path, "process", sessions="max_slots = 4096\nmax_ring_mib = 16384\n"
-                                                    "max_ring_mib_per_uid = 16384")
+                                                    "max_ring_mib_per_uid = 16384\ndefault_max_items = 16")
     try:
         rss = psutil.Process(b.proc.pid).memory_info().rss
         with control_dealer(b) as s:

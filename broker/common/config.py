@@ -40,8 +40,12 @@ class BrokerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class SessionsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_slots: Annotated[int, Meta(ge=1, le=4096)] = 16
     max_slots: Annotated[int, Meta(ge=1, le=4096)] = 1024
-    # rows a request may have when the client does not say (0: the largest max_batch of the served models)
+    # rows a slot holds when the client does not say; 0: as many as default_ring_mib allows
     default_max_items: Annotated[int, Meta(ge=0, le=4096)] = 0
+    # with default_max_items = 0: a default session's ring (every byte of it page-locked by a GPU worker) is
+    # at most this big, its slots holding as many rows of the largest model as fit, at least one, at most the
+    # largest max_batch; clients split larger requests into parts. 0: every slot holds the largest max_batch
+    default_ring_mib: Annotated[int, Meta(ge=0, le=1 << 20)] = 64
     max_session_mib: Annotated[int, Meta(ge=1, le=1 << 20)] = 4096
     # caps on what clients hold at once (sessions in set-up included), all users together and each uid: a
     # HELLO past one gets LIMIT naming the key. Ring memory is RAM: 0 means half the machine's memory, and
@@ -200,6 +204,9 @@ def _check(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: key 'sessions.max_sessions_per_uid': must not exceed sessions.max_sessions")
     if cfg.sessions.default_slots > cfg.sessions.max_slots:
         raise ConfigError(f"{source}: key 'sessions.default_slots': must not exceed sessions.max_slots")
+    if cfg.sessions.default_ring_mib > cfg.sessions.max_session_mib:
+        raise ConfigError(f"{source}: key 'sessions.default_ring_mib': must not exceed sessions.max_session_mib "
+                          f"({cfg.sessions.max_session_mib})")
     if cfg.broker.group:
         try:
             grp.getgrnam(cfg.broker.group)

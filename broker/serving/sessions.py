@@ -83,11 +83,21 @@ def item_bytes(spec: P.TensorSpec) -> int:
     return math.prod(spec.shape[1:]) * np.dtype(spec.dtype).itemsize
 
 
-def session_rows(asked: int, default: int, models: list[P.ModelInfo]) -> int:
-    """Rows a request of a session may have: what the client asked (0: ``default``; 0 again: the largest
-    ``max_batch``), never above the largest ``max_batch``."""
+def session_rows(asked: int, default: int, models: list[P.ModelInfo], slots: int, ring_bytes: int) -> int:
+    """Rows a slot of a session holds: what the client asked, else ``default`` ([sessions] default_max_items),
+    else as many as keep a ring of ``slots`` slots within ``ring_bytes`` (default_ring_mib; at least one row),
+    else (``ring_bytes`` 0) the largest ``max_batch``; never above the largest ``max_batch``."""
     largest = max(m.max_batch for m in models)
-    return min(asked or default or largest, largest)
+    if asked or default or not ring_bytes:
+        return min(asked or default or largest, largest)
+    lo, hi = 1, largest  # the ring grows with the rows: the most rows whose ring fits, by bisection
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if RingLayout(0, slots, *capacities(models, mid)).total_bytes <= ring_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def capacities(models: list[P.ModelInfo], max_items: int) -> tuple[int, int]:
@@ -198,7 +208,7 @@ class SessionTable:
         if hello.max_items < 0:
             raise SessionError("BAD_HELLO", f"HELLO.max_items: expected >= 0 (0: the broker's default), got "
                                             f"{hello.max_items}")
-        max_items = session_rows(hello.max_items, sc.default_max_items, models)
+        max_items = session_rows(hello.max_items, sc.default_max_items, models, slots, sc.default_ring_mib << 20)
         in_cap, out_cap = capacities(models, max_items)
         sid = self._next_id
         while sid in self.by_id:  # after 2**32 sessions the ids wrap; never reuse a live one
@@ -217,8 +227,8 @@ class SessionTable:
         session = BrokerSession(sid, identity, peer, token, segment, max_items)
         self.by_id[sid] = session
         self._count(peer.uid, layout.total_bytes, +1)
-        log.info("session %d for uid %d pid %d: %d slots of %d+%d bytes", sid, peer.uid, peer.pid, slots, in_cap,
-                 out_cap)
+        log.info("session %d for uid %d pid %d: %d slots of %d rows (%d+%d bytes), %.1f MiB", sid, peer.uid, peer.pid,
+                 slots, max_items, in_cap, out_cap, layout.total_bytes / (1 << 20))
         return session
 
     def _check_caps(self, uid: int, nbytes: int) -> None:
