@@ -365,12 +365,12 @@ class Client:
         n_t = len(lay.in_offsets)
         # with the hint, a worker spinning on this slot takes the request ahead of the SUBMIT (PROTOCOL 4.2)
         hinted = self.segment.post_request(slot, link.worker_id, rid, gen, plan.info.model_id, n_t, timeout_us,
-                                           lay.in_descs)
+                                           lay.in_desc_bytes)
         self._slots.pending[slot] = Pending(rid, gen, plan, link.worker_id, on_done, lay)
         link.outstanding += 1
         if hint_wait and hinted and self._hint_wait.taken(slot):
             return  # the worker admitted it from the slot header and expects no SUBMIT (PROTOCOL 4.2)
-        self._links.send(link, (rid, slot, gen, plan.info.model_id, n_t, timeout_us, lay.in_descs), defer)
+        self._links.send(link, (rid, slot, gen, plan.info.model_id, n_t, timeout_us, lay.in_desc_bytes), defer)
 
     def _submit_slot(self, plan: ModelPlan, slot: int, views: SlotViews, timeout: float | None) -> Future[Outputs]:
         """Send a filled slot; the Future completes once the request is answered and its slot is free."""

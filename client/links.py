@@ -14,11 +14,8 @@ import time
 import zmq
 
 from shmbroker.broker.common import protocol as P
-from shmbroker.client.session import MONITOR_EVENT, ModelPlan
-
-SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
-# (request_id, slot, generation, model_id, n_tensors, timeout_us, packed descriptors)
-Record = tuple[int, int, int, int, int, int, bytes]
+from shmbroker.broker.common.protocol import SUBMIT_ENVELOPE
+from shmbroker.client.session import ModelPlan
 
 
 class Cork(threading.local):
@@ -52,7 +49,7 @@ class Link:
         self.outstanding = 0
         self.up = False
         self.send_lock = threading.Lock()
-        self.queue: collections.deque[Record] = collections.deque()
+        self.queue: collections.deque[P.SubmitRecord] = collections.deque()
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.RCVHWM, 0)
@@ -80,7 +77,7 @@ class Link:
                 frames = self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return self.up
-            event = MONITOR_EVENT.unpack_from(frames[0])[0] if frames and len(frames[0]) >= 2 else 0
+            event = P.ZMQ_MONITOR_EVENT.unpack_from(frames[0])[0] if frames and len(frames[0]) >= 2 else 0
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.lost:
                 self.up = True
             elif event == zmq.EVENT_DISCONNECTED and self.up:
@@ -170,7 +167,7 @@ class Links:
                 best = link
         return best
 
-    def send(self, link: Link, record: Record, defer: bool) -> None:
+    def send(self, link: Link, record: P.SubmitRecord, defer: bool) -> None:
         """Queue ``record`` on ``link`` and, unless ``defer`` or this thread is corked, send what is queued."""
         link.queue.append(record)
         if not (defer or self.cork.on):
@@ -182,16 +179,8 @@ class Links:
             if not link.send_lock.acquire(blocking=False):
                 return
             try:
-                records: list[bytes] = []
-                descs: list[bytes] = []
-                n_t = 0
-                while link.queue:
-                    rid, slot, gen, model_id, n, timeout_us, desc = link.queue.popleft()
-                    records.append(P.REQUEST.pack(rid, slot, gen, model_id, n_t, n, timeout_us))
-                    descs.append(desc)
-                    n_t += n
-                if records and link.up:
-                    body = P.submit_body(self.session_id, self.token, records, descs, n_t)
+                body = P.drain_submit(self.session_id, self.token, link.queue)
+                if body is not None and link.up:
                     link.push.send_multipart([SUBMIT_ENVELOPE, body])
             finally:
                 link.send_lock.release()

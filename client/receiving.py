@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from shmbroker.broker.common import protocol as P
-from shmbroker.broker.common.protocol import SLOT_HEADER, STATE_GEN, SlotState
+from shmbroker.broker.common.protocol import DONE_ENVELOPE, SLOT_HEADER, STATE_GEN, SlotState
 from shmbroker.broker.common.ring import Segment
 from shmbroker.broker.common.spin import SpinPolicy
 from shmbroker.client.errors import ShmBrokerError, WorkerDied
@@ -30,7 +30,6 @@ from shmbroker.client.slots import Pending, Slots
 
 log = logging.getLogger(__name__)
 
-DONE_ENVELOPE = P.envelope(P.MsgKind.DONE)
 # Reading an answer from the slot header, with no barrier between the state word and the outputs, relies on
 # total store order: the worker's output bytes are visible before its state word. x86-64 gives that;
 # elsewhere (ARM) answers come only by their DONE message.

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import math
 import os
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,23 +14,10 @@ import zmq
 from shmbroker.broker.common import liveness, runtime
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.handout import HandoutError, fetch_ring
-from shmbroker.broker.common.ring import RingLayout, Segment, pack_offsets
+from shmbroker.broker.common.ring import RingLayout, Segment
 from shmbroker.client.errors import HandshakeError, NoBroker
 
-MONITOR_EVENT = struct.Struct("=H")  # a ZeroMQ monitor message starts with the event id, native u16
 GRACE_S = 2.0  # how long past its deadline a request may stay unanswered before the client gives up
-
-
-@dataclass(frozen=True)
-class RowsLayout:
-    """Everything about a request of one row count that does not change between requests."""
-
-    in_offsets: list[int]
-    in_nbytes: list[int]
-    in_descs: bytes  # the SUBMIT tensor descriptors, packed
-    out_descs: list[P.TensorDesc]
-    out_desc_bytes: bytes  # what a worker's DONE carries for such a request when it packs canonically
-    ok: P.Result  # the answer handed to a request's on_done for an OK with these descriptors (shared, read-only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,17 +26,10 @@ class SlotViews:
     offsets: the client copies inputs in and outputs out through these (no view is built per request)."""
 
     rows: int
-    layout: RowsLayout
+    layout: P.CanonicalRows
     ins: tuple[np.ndarray, ...]
     outs: tuple[np.ndarray, ...]
     segment: Segment  # the ring they view: a request written into a ring the client has left is not sent
-
-
-def _descs(dtypes: list[np.dtype[Any]], item_shapes: list[tuple[int, ...]], rows: int) -> list[P.TensorDesc]:
-    sizes = [rows * math.prod(s) * d.itemsize for s, d in zip(item_shapes, dtypes, strict=True)]
-    offsets = pack_offsets(sizes)[0]
-    return [P.TensorDesc(k, int(P.dtype_code(d)), offsets[k], sizes[k], (rows, *item_shapes[k]))
-            for k, d in enumerate(dtypes)]
 
 
 @dataclass(frozen=True)
@@ -63,7 +41,7 @@ class ModelPlan:
     in_item_shapes: list[tuple[int, ...]]
     out_dtypes: list[np.dtype[Any]]
     out_item_shapes: list[tuple[int, ...]]
-    _layouts: dict[int, RowsLayout]
+    _layouts: dict[int, P.CanonicalRows]
 
     @classmethod
     def of(cls, info: P.ModelInfo) -> ModelPlan:
@@ -72,14 +50,13 @@ class ModelPlan:
             [np.dtype(s.dtype) for s in info.outputs], [tuple(s.shape[1:]) for s in info.outputs], {},
         )
 
-    def layout(self, rows: int) -> RowsLayout:
+    def layout(self, rows: int) -> P.CanonicalRows:
+        """The canonical layout of a request of ``rows`` rows, built at its first use."""
         lay = self._layouts.get(rows)
         if lay is None:
-            ins = _descs(self.in_dtypes, self.in_item_shapes, rows)
-            outs = _descs(self.out_dtypes, self.out_item_shapes, rows)
-            lay = RowsLayout([d.offset for d in ins], [d.nbytes for d in ins], b"".join(map(P.pack_tensor, ins)),
-                             outs, b"".join(map(P.pack_tensor, outs)), P.Result(0, 0, 0, P.Status.OK, outs))
-            self._layouts[rows] = lay
+            lay = self._layouts[rows] = P.CanonicalRows.of(
+                list(zip(self.in_dtypes, self.in_item_shapes, strict=True)),
+                list(zip(self.out_dtypes, self.out_item_shapes, strict=True)), rows)
         return lay
 
     def input_offsets(self, rows: int) -> list[int]:
@@ -125,7 +102,7 @@ def handshake(ctl: zmq.Socket[bytes], runtime_dir: Path, slots: int, max_items: 
     until = time.monotonic() + timeout
     ctl.send_multipart(P.encode(P.Hello(P.PROTOCOL_VERSION, os.getpid(), slots, max_items, name)))
     setup = _expect(_recv(ctl, until, "SETUP"), P.Setup)
-    layout = RingLayout(setup.session_id, setup.n_slots, setup.in_capacity, setup.out_capacity)
+    layout = RingLayout.of(setup)
     if layout.slot_stride != setup.slot_stride or layout.total_bytes != setup.segment_bytes:
         ctl.send_multipart(P.encode(P.Bye(setup.session_id)))
         raise HandshakeError("SETUP describes a ring layout this client does not derive", "BAD_LAYOUT")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.client.errors import ClientClosed, Overloaded, RequestTimeout, ShmBrokerError
-from shmbroker.client.session import ModelPlan, RowsLayout
+from shmbroker.client.session import ModelPlan
 
 
 @dataclass(slots=True)
@@ -25,7 +25,7 @@ class Pending:
     plan: ModelPlan
     worker_id: int
     on_done: Callable[[P.Result | ShmBrokerError], None]  # frees the slot, unless a zero-copy Request holds it
-    layout: RowsLayout
+    layout: P.CanonicalRows
 
 
 SLOTS_SETTING = "Client(slots=...)"

@@ -32,6 +32,13 @@ import zmq.asyncio
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common import runtime
+from shmbroker.broker.common.protocol import (
+    InlineModelsReply,
+    InlineReply,
+    InlineRequest,
+    InlineRequestId,
+    InlineTensor,
+)
 from shmbroker.broker.common.ratelog import RateLimitedLog
 from shmbroker.client import AsyncClient, BadInput, RequestTimeout, ShmBrokerError
 from shmbroker.client.checks import check_rows
@@ -39,10 +46,6 @@ from shmbroker.client.session import GRACE_S, ModelPlan
 from shmbroker.frontend.unixclaim import UnixClaim
 
 log = logging.getLogger(__name__)
-INLINE_REQUEST = 40  # kinds of the inline socket only; the envelope is the protocol's <u16 version, u16 kind>
-INLINE_REPLY = 41
-INLINE_MODELS = 42  # body {}: what the gateway serves
-INLINE_MODELS_REPLY = 43  # body InlineModelsReply: the models SETUP carries and the gateway's rows limit
 SOCKET_NAME = "inline.sock"
 LOCK_NAME = "inline.lock"  # not *.sock: the broker's stale-socket cleanup leaves it alone, and it is never unlinked
 MAX_ITEMS_SETTING = "shmbroker inline --max-items"  # what a BAD_SHAPE answer over the session's rows names
@@ -54,45 +57,9 @@ DRAIN_S = 10.0  # at a stop, how long the replies of accepted requests may take 
 SHUTDOWN_LINGER_MS = 500  # ... and how long ZeroMQ may take to deliver them when the sockets close
 
 
-class InlineTensor(msgspec.Struct, frozen=True):
-    name: str
-    dtype: str  # numpy name, as in TensorSpec
-    shape: list[int]
-
-
-class InlineRequest(msgspec.Struct, frozen=True):
-    id: int
-    model: str
-    inputs: list[InlineTensor]
-    timeout_us: int = 0  # 0: the model's timeout_ms
-
-
-class InlineReply(msgspec.Struct, frozen=True):
-    id: int
-    status: str  # "OK" or the protocol's code (BAD_INPUT, OVERLOADED, TIMEOUT, UNKNOWN_MODEL, ..., BAD_MESSAGE)
-    message: str = ""
-    outputs: list[InlineTensor] = []
-
-
-class InlineModelsReply(msgspec.Struct, frozen=True):
-    """What the gateway serves: ``max_items`` is the rows limit, the largest ``max_batch``, so a request may have
-    ``min(max_items, model.max_batch)`` rows (the gateway's client sends one of more rows than a slot holds as
-    parts)."""
-
-    models: list[P.ModelInfo]
-    max_items: int
-
-
-class _RequestId(msgspec.Struct):
-    """The id alone, read from a header that fails InlineRequest's schema, so that the answer still names it."""
-
-    id: int
-
-
 _DECODE = msgspec.json.Decoder(InlineRequest)
-_DECODE_ID = msgspec.json.Decoder(_RequestId)
+_DECODE_ID = msgspec.json.Decoder(InlineRequestId)
 _ENCODE = msgspec.json.Encoder()
-_MODELS_ENVELOPE = P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_MODELS)
 # The names of section 5.3, and only they: np.dtype() would also take '>f4' (big-endian), '(2,)f4' (a
 # sub-array) or 'float128', none of which the frames can carry.
 _DTYPES: dict[str, np.dtype[Any]] = {P.numpy_dtype(code).name: P.numpy_dtype(code) for code in P.DType}
@@ -202,9 +169,9 @@ def decode_request(frames: list[bytes], models: Mapping[str, ModelPlan],
         raise BadMessage(f"envelope: expected 4 bytes <u16 version, u16 kind>, got {len(frames[0])} bytes",
                          _header_id(frames[1]))
     version, kind = P.ENVELOPE.unpack(frames[0])
-    if version != P.PROTOCOL_VERSION or kind != INLINE_REQUEST:
-        raise BadMessage(f"envelope: expected version {P.PROTOCOL_VERSION} kind {INLINE_REQUEST}, got {version} "
-                         f"{kind}", _header_id(frames[1]))
+    if version != P.PROTOCOL_VERSION or kind != P.MsgKind.INLINE_REQUEST:
+        raise BadMessage(f"envelope: expected version {P.PROTOCOL_VERSION} kind {int(P.MsgKind.INLINE_REQUEST)}, "
+                         f"got {version} {kind}", _header_id(frames[1]))
     if len(frames[1]) > MAX_HEADER_BYTES:  # decoded, a header takes a few times its size: bound it first
         raise BadMessage(f"header: {len(frames[1])} bytes, expected at most {MAX_HEADER_BYTES}",
                          _header_id(frames[1]))
@@ -299,21 +266,21 @@ def _check_model(req: InlineRequest, models: Mapping[str, ModelPlan], max_items:
 
 def _asks_models(frames: list[bytes]) -> bool:
     """An INLINE_MODELS message: answered at once from what the session knows, so never past the cap."""
-    return len(frames) == 2 and frames[0] == _MODELS_ENVELOPE  # envelope, {}
+    return len(frames) == 2 and frames[0] == P.INLINE_MODELS_ENVELOPE  # envelope, {}
 
 
 def reply_frames(rid: int, status: str, message: str = "", outputs: dict[str, np.ndarray] | None = None) -> list[Any]:
     outs = outputs or {}
     header = InlineReply(rid, status, message,
                          [InlineTensor(n, a.dtype.name, list(a.shape)) for n, a in outs.items()])
-    return [P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_REPLY), _ENCODE.encode(header),
+    return [P.INLINE_REPLY_ENVELOPE, _ENCODE.encode(header),
             *(np.ascontiguousarray(a).data for a in outs.values())]
 
 
 def _internal_reply(rid: int, exc: BaseException) -> list[bytes]:
     """The frames of an INTERNAL reply to request ``rid``, a fault of the gateway's; they cannot fail to build."""
     message = f"the gateway failed on this request ({type(exc).__name__}); its log has the details"
-    return [P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_REPLY), _ENCODE.encode(InlineReply(rid, "INTERNAL", message))]
+    return [P.INLINE_REPLY_ENVELOPE, _ENCODE.encode(InlineReply(rid, "INTERNAL", message))]
 
 
 def _size(frames: list[bytes]) -> int:
@@ -417,7 +384,7 @@ class Gateway:
         """The id, status and frames of a message's reply, and the session call when it is still running."""
         if _asks_models(frames):
             answer = InlineModelsReply([p.info for p in self.client.models.values()], rows_limit(self.client.models))
-            return 0, "OK", [P.ENVELOPE.pack(P.PROTOCOL_VERSION, INLINE_MODELS_REPLY), _ENCODE.encode(answer)], None
+            return 0, "OK", [P.INLINE_MODELS_REPLY_ENVELOPE, _ENCODE.encode(answer)], None
         try:
             req, arrays = decode_request(frames, self.client.models, rows_limit(self.client.models))
         except Refused as exc:

@@ -15,17 +15,16 @@ import contextlib
 import ipaddress
 import math
 import socket
-import struct
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from shmbroker.broker.common.protocol import UCRED
 from shmbroker.frontend.kserve import HttpError
 from shmbroker.frontend.settings import RATE_WINDOW_S, Settings
 
 MIB = 1 << 20
 KIB = 1 << 10
-PEERCRED = struct.Struct("3i")  # SO_PEERCRED's struct ucred: pid, uid, gid
 
 
 def peer_of(transport: asyncio.BaseTransport | None) -> str:
@@ -43,7 +42,7 @@ def peer_of(transport: asyncio.BaseTransport | None) -> str:
         return str(ip)
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.family == socket.AF_UNIX:
-        _pid, uid, _gid = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+        _pid, uid, _gid = UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))
         return f"uid {uid}"
     return "an unknown peer"
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.protocol import SlotState
-from shmbroker.broker.common.ring import RingError, check_span, pack_offsets
+from shmbroker.broker.common.ring import RingError, check_span
 from shmbroker.gpu_worker.engines.base import IOSpec
 from shmbroker.gpu_worker.sessions import WorkerSession
 
@@ -40,8 +40,8 @@ class ModelView:
 
 
 def out_layout(outputs: list[IOSpec], rows: int) -> tuple[list[int], int]:
-    """Offsets of a ``rows``-row request's outputs in its slot (packed as ring.pack_offsets says), and the end."""
-    return pack_offsets([rows * o.item_bytes for o in outputs])
+    """Offsets of a ``rows``-row request's outputs in its slot (packed as protocol.pack_offsets says), and the end."""
+    return P.pack_offsets([rows * o.item_bytes for o in outputs])
 
 
 def check_slot(session: WorkerSession, req: P.SubmitRequest) -> None:

@@ -25,7 +25,7 @@ CLOSE_LINGER_MS = 200  # lets last answers (SHUTTING_DOWN) leave when a session 
 def map_ring(runtime_dir: Path, msg: P.Attach, timeout_s: float) -> Segment:
     """The session's ring, from the broker's handout (within ``timeout_s``, the handshake's), checked against
     the layout ``msg`` announces."""
-    layout = RingLayout(msg.session_id, msg.n_slots, msg.in_capacity, msg.out_capacity)
+    layout = RingLayout.of(msg)
     return Segment.from_fd(fetch_ring(runtime_dir, msg.session_id, msg.token, timeout_s), layout)
 
 

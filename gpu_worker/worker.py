@@ -21,11 +21,10 @@ from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common import runtime
 from shmbroker.broker.common.config import Config
 from shmbroker.broker.common.peergate import PeerGate
-from shmbroker.broker.common.protocol import STATE_GEN, TENSOR_ROWS, TENSOR_ROWS_AT, SlotState
+from shmbroker.broker.common.protocol import STATE_GEN, SUBMIT_ENVELOPE, TENSOR_ROWS, TENSOR_ROWS_AT, SlotState
 from shmbroker.broker.common.ratelog import RateLimitedLog
 from shmbroker.broker.common.ring import RingError
 from shmbroker.broker.common.spin import SpinPolicy
-from shmbroker.gpu_worker.codec import RowsCanon
 from shmbroker.gpu_worker.hints import Watch, hinted_submit
 from shmbroker.gpu_worker.intake import Rejected, check_slot, check_tensors
 from shmbroker.gpu_worker.models import ServedModel, build_models, model_info, overloaded_message
@@ -36,7 +35,6 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 20
 INLINE_BATCHES = 8  # due batches of a cheap model run inline per wake-up; the runner takes any left
-SUBMIT_ENVELOPE = P.envelope(P.MsgKind.SUBMIT)
 SWEEP_S = 0.002  # how often queued requests are checked for expired deadlines
 SUBMITTED = int(SlotState.SUBMITTED)  # a plain int: compared once per request on the hot path
 DATA_DOMAIN = "data"  # the data socket's ZAP domain (broker.common.peergate)
@@ -283,7 +281,7 @@ class Worker:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
     def _fast_submit(self, body: bytes) -> bool:
-        """Admit a whole SUBMIT whose every request is canonical (see gpu_worker.codec); False: no request was
+        """Admit a whole SUBMIT whose every request is canonical (protocol.CanonicalRows); False: no request was
         admitted and the message takes the detailed path, which answers each fault with its own status."""
         if len(body) < P.SUBMIT_HEADER.size:
             return False
@@ -306,7 +304,7 @@ class Worker:
         # mostly for one model, so most records skip these lookups
         last_id = -1
         n_in = 0
-        canons: dict[int, RowsCanon] = {}
+        canons: dict[int, P.CanonicalRows] = {}
         default_s = 0.0
         entries: list[Work] = []
         for rid, slot, gen, model_id, first, count, timeout_us in P.REQUEST.iter_unpack(records):

@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 from shmbroker.broker.common import protocol as P
-from shmbroker.frontend.inline import INLINE_REPLY, INLINE_REQUEST
+from shmbroker.broker.common.protocol import MsgKind
 from tests.conftest import CLI, REPO, RunningBroker, start_broker
 
 if TYPE_CHECKING:  # imported when used: the inline gateway's tests need no HTTP client
@@ -154,8 +154,8 @@ def infer_inline(sock: zmq.Socket[bytes], model: str, name: str, x: np.ndarray,
                  rid: int = 7) -> tuple[dict[str, Any], list[bytes]]:
     """One request of one input through the gateway: (the reply's header, its output frames)."""
     header = {"id": rid, "model": model, "inputs": [{"name": name, "dtype": x.dtype.name, "shape": list(x.shape)}]}
-    reply = ask_inline(sock, [inline_envelope(INLINE_REQUEST), msgspec.json.encode(header), x.tobytes()])
-    assert reply[0] == inline_envelope(INLINE_REPLY)
+    reply = ask_inline(sock, [inline_envelope(MsgKind.INLINE_REQUEST), msgspec.json.encode(header), x.tobytes()])
+    assert reply[0] == inline_envelope(MsgKind.INLINE_REPLY)
     return msgspec.json.decode(reply[1]), reply[2:]
 
 
@@ -180,7 +180,7 @@ def tiny_request(rid: int, timeout_us: int = 0, x: np.ndarray = TINY_X) -> list[
     """The frames of a correct request of the tiny model with id ``rid``."""
     head = {"id": rid, "model": "tiny", "inputs": [{"name": "x", "dtype": "float32", "shape": list(x.shape)}],
             "timeout_us": timeout_us}
-    return [inline_envelope(INLINE_REQUEST), msgspec.json.encode(head), x.tobytes()]
+    return [inline_envelope(MsgKind.INLINE_REQUEST), msgspec.json.encode(head), x.tobytes()]
 
 
 def inline_replies(sock: zmq.Socket[bytes], count: int, wait_ms: int = 60_000) -> list[dict[str, Any]]:
@@ -189,7 +189,7 @@ def inline_replies(sock: zmq.Socket[bytes], count: int, wait_ms: int = 60_000) -
     for _ in range(count):
         assert sock.poll(wait_ms), f"{len(heads)} replies of {count} came: {heads[-3:]}"
         frames = sock.recv_multipart()
-        assert frames[0] == inline_envelope(INLINE_REPLY), frames[:2]
+        assert frames[0] == inline_envelope(MsgKind.INLINE_REPLY), frames[:2]
         heads.append(msgspec.json.decode(frames[1]))
     return heads
 

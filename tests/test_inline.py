@@ -17,7 +17,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from shmbroker.frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REQUEST
+from shmbroker.broker.common.protocol import MsgKind
 from tests.conftest import CLI, REPO, RunningBroker, start_broker
 from tests.frontends import ask_inline, broker_with_gateway, infer_inline, inline_envelope, start_inline, stop_inline
 from tests.models import direct
@@ -42,8 +42,8 @@ def test_ipc_only_by_default_and_models_listed(gateway: tuple[RunningBroker, lis
                                                dealer: zmq.Socket[bytes]) -> None:
     b, endpoints = gateway
     assert endpoints == [f"ipc://{b.runtime_dir}/inline.sock"]
-    reply = ask_inline(dealer, [inline_envelope(INLINE_MODELS), b"{}"])
-    assert reply[0] == inline_envelope(INLINE_MODELS_REPLY)
+    reply = ask_inline(dealer, [inline_envelope(MsgKind.INLINE_MODELS), b"{}"])
+    assert reply[0] == inline_envelope(MsgKind.INLINE_MODELS_REPLY)
     answer = msgspec.json.decode(reply[1])
     models = {m["name"]: m for m in answer["models"]}
     assert models["nsfw"]["inputs"] == [{"name": "input:0", "dtype": "float32", "shape": [-1, 224, 224, 3]}]
@@ -67,14 +67,16 @@ def test_errors_name_the_code(dealer: zmq.Socket[bytes]) -> None:
     head, _ = infer_inline(dealer, "tiny", "x", np.ones((1, 255), np.float32), rid=2)
     assert (head["id"], head["status"]) == (2, "BAD_SHAPE") and "shape" in head["message"]
     header = {"id": 3, "model": "tiny", "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 256]}]}
-    reply = ask_inline(dealer, [inline_envelope(INLINE_REQUEST), msgspec.json.encode(header), x.tobytes()[:100]])
+    reply = ask_inline(dealer, [inline_envelope(MsgKind.INLINE_REQUEST), msgspec.json.encode(header),
+                                x.tobytes()[:100]])
     head = msgspec.json.decode(reply[1])
     assert (head["id"], head["status"]) == (3, "BAD_MESSAGE") and "inputs[0]" in head["message"]
     # a header that fails the schema still has its id read and echoed
-    reply = ask_inline(dealer, [inline_envelope(INLINE_REQUEST), msgspec.json.encode({"id": 5, "model": "tiny"})])
+    reply = ask_inline(dealer, [inline_envelope(MsgKind.INLINE_REQUEST),
+                                msgspec.json.encode({"id": 5, "model": "tiny"})])
     head = msgspec.json.decode(reply[1])
     assert (head["id"], head["status"]) == (5, "BAD_MESSAGE") and "inputs" in head["message"]
-    reply = ask_inline(dealer, [inline_envelope(INLINE_REQUEST), b"{nope"])  # no id to read: 0
+    reply = ask_inline(dealer, [inline_envelope(MsgKind.INLINE_REQUEST), b"{nope"])  # no id to read: 0
     assert (msgspec.json.decode(reply[1])["id"], msgspec.json.decode(reply[1])["status"]) == (0, "BAD_MESSAGE")
     head, frames = infer_inline(dealer, "tiny", "x", x, rid=4)  # the gateway goes on serving
     assert head["status"] == "OK" and len(frames[0]) == 1024
@@ -89,7 +91,7 @@ def test_a_failed_request_among_several_outstanding_is_named_by_its_id(dealer: z
         x = xs.get(rid, np.ones((1, 256), np.float32))
         header = {"id": rid, "model": "tiny", "inputs": [{"name": "x", "dtype": "float32", "shape": list(x.shape)}]}
         data = x.tobytes() if rid in xs else x.tobytes()[:10]  # 12: its data frame is short
-        dealer.send_multipart([inline_envelope(INLINE_REQUEST), msgspec.json.encode(header), data])
+        dealer.send_multipart([inline_envelope(MsgKind.INLINE_REQUEST), msgspec.json.encode(header), data])
     answers: dict[int, tuple[dict[str, Any], list[bytes]]] = {}
     while len(answers) < 3:
         assert dealer.poll(60_000), f"answers for {sorted(answers)} only"
@@ -104,7 +106,7 @@ def test_a_failed_request_among_several_outstanding_is_named_by_its_id(dealer: z
 
 
 def test_a_max_batch_request_is_served_through_slots_of_fewer_rows(tmp_path: Path) -> None:
-    """`shmbroker inline --max-items 2`: slots of 2 rows. INLINE_MODELS_REPLY announces the largest max_batch as
+    """`shmbroker inline --max-items 2`: slots of 2 rows. MsgKind.INLINE_MODELS_REPLY announces the largest max_batch as
     the rows limit, a request of tiny's max_batch (16) rows is sent as parts and answered whole, and one past it
     gets BAD_SHAPE naming the model's limit."""
     with broker_with_gateway(tmp_path, "--max-items", "2") as (_b, endpoints):
@@ -112,7 +114,7 @@ def test_a_max_batch_request_is_served_through_slots_of_fewer_rows(tmp_path: Pat
         try:
             sock = ctx.socket(zmq.DEALER)
             sock.connect(endpoints[0])
-            reply = ask_inline(sock, [inline_envelope(INLINE_MODELS), b"{}"])
+            reply = ask_inline(sock, [inline_envelope(MsgKind.INLINE_MODELS), b"{}"])
             assert msgspec.json.decode(reply[1])["max_items"] == 16  # tiny's max_batch; nsfw's is 4
             x = np.random.default_rng(9).standard_normal((16, 256), dtype=np.float32)
             head, frames = infer_inline(sock, "tiny", "x", x, rid=21)
@@ -166,13 +168,13 @@ def test_tcp_with_curve_serves_an_authorised_client(tmp_path: Path) -> None:
 
 
 def _answers(endpoint: str) -> bool:
-    """True when a gateway answers INLINE_MODELS on ``endpoint`` (a fresh DEALER, so a fresh connection)."""
+    """True when a gateway answers MsgKind.INLINE_MODELS on ``endpoint`` (a fresh DEALER, so a fresh connection)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.connect(endpoint)
-        sock.send_multipart([inline_envelope(INLINE_MODELS), b"{}"])
-        return bool(sock.poll(60_000)) and sock.recv_multipart()[0] == inline_envelope(INLINE_MODELS_REPLY)
+        sock.send_multipart([inline_envelope(MsgKind.INLINE_MODELS), b"{}"])
+        return bool(sock.poll(60_000)) and sock.recv_multipart()[0] == inline_envelope(MsgKind.INLINE_MODELS_REPLY)
     finally:
         ctx.destroy(linger=0)
 

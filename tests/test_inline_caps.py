@@ -14,7 +14,7 @@ import pytest
 import zmq
 import zmq.utils.monitor
 
-from shmbroker.frontend.inline import INLINE_REQUEST
+from shmbroker.broker.common.protocol import MsgKind
 from tests.conftest import CLI, REPO
 from tests.frontends import (
     broker_with_gateway,
@@ -26,7 +26,7 @@ from tests.frontends import (
 )
 
 MIB = 1 << 20
-REQ = inline_envelope(INLINE_REQUEST)
+REQ = inline_envelope(MsgKind.INLINE_REQUEST)
 
 
 def _peak_rss(pid: int) -> int:

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmbroker.broker.common import protocol as P
-from shmbroker.frontend.inline import INLINE_MODELS, INLINE_MODELS_REPLY, INLINE_REQUEST
+from shmbroker.broker.common.protocol import MsgKind
 from tests.conftest import CLI, REPO, RunningBroker, start_broker
 from tests.frontends import (
     TINY_X,
@@ -67,11 +67,11 @@ def _padded(rid: Any, pad: bytes, first: bool = False) -> bytes:
     return b'{"pad":' + pad + b"," + head[1:] if first else head[:-1] + b',"pad":' + pad + b"}"
 
 
-REQ = inline_envelope(INLINE_REQUEST)
+REQ = inline_envelope(MsgKind.INLINE_REQUEST)
 # (case, frames, the id the reply must carry, its status, a part its message must name)
 CASES: list[tuple[str, list[bytes], int, str, str]] = [
     ("wrong_kind", [inline_envelope(99), _header(101), DATA], 101, "BAD_MESSAGE", "envelope"),
-    ("wrong_version", [P.ENVELOPE.pack(P.PROTOCOL_VERSION + 1, INLINE_REQUEST), _header(102), DATA], 102,
+    ("wrong_version", [P.ENVELOPE.pack(P.PROTOCOL_VERSION + 1, MsgKind.INLINE_REQUEST), _header(102), DATA], 102,
      "BAD_MESSAGE", "envelope"),
     ("short_envelope", [b"\x01\x00", _header(103), DATA], 103, "BAD_MESSAGE", "envelope"),
     ("envelope_only", [REQ], 0, "BAD_MESSAGE", "frames"),
@@ -299,8 +299,8 @@ def test_requests_held_at_a_stop_are_answered_before_the_gateway_exits(tmp_path:
                 for rid in range(1, 6):
                     sock.send_multipart(tiny_request(rid, timeout_us=120_000_000))
                 # answered once the 5 before it were taken in
-                sock.send_multipart([inline_envelope(INLINE_MODELS), b"{}"])
-                assert sock.poll(60_000) and sock.recv_multipart()[0] == inline_envelope(INLINE_MODELS_REPLY)
+                sock.send_multipart([inline_envelope(MsgKind.INLINE_MODELS), b"{}"])
+                assert sock.poll(60_000) and sock.recv_multipart()[0] == inline_envelope(MsgKind.INLINE_MODELS_REPLY)
                 gateway.terminate()
                 heads = inline_replies(sock, 5)
             finally:

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from shmbroker.broker.common import protocol as P
-from shmbroker.broker.common.protocol import SlotState
-from shmbroker.broker.common.ring import RingLayout, pack_offsets
+from shmbroker.broker.common.protocol import SlotState, pack_offsets
+from shmbroker.broker.common.ring import RingLayout
 from shmbroker.gpu_worker.engines.base import IOSpec
 from shmbroker.gpu_worker.intake import ModelView, Rejected, check_slot, check_tensors, input_arrays, out_layout
 from shmbroker.gpu_worker.sessions import WorkerSession

@@ -57,7 +57,7 @@ def test_queued_records_leave_as_one_submit_per_worker(tmp_path: Path, ctx: zmq.
     links.replace(_workers(tmp_path, [["tiny"]]), 7, 99)
     link = links.current[0]
     link.up = True
-    desc = TINY.layout(1).in_descs
+    desc = TINY.layout(1).in_desc_bytes
     with links.cork:
         links.send(link, (1, 0, 1, 0, 1, 0, desc), defer=False)
         links.send(link, (2, 1, 1, 0, 1, 0, desc), defer=True)

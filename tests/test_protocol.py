@@ -90,9 +90,20 @@ CONTROL_SAMPLES: list[msgspec.Struct] = [
 def test_samples_cover_every_control_kind() -> None:
     kinds = {P.KIND_OF[type(m)] for m in CONTROL_SAMPLES}
     assert kinds == set(P.CONTROL_TYPES)
-    # the data plane's and the ring handout's are the only ones without a JSON body
+    # the data plane's, the ring handout's and the inline gateway's (its own socket) are the only ones that
+    # decode() does not take
     assert set(P.MsgKind) - set(P.CONTROL_TYPES) == {P.MsgKind.SUBMIT, P.MsgKind.DONE, P.MsgKind.RING_REQUEST,
-                                                     P.MsgKind.RING_GRANT}
+                                                     P.MsgKind.RING_GRANT, *INLINE_KINDS}
+
+
+INLINE_KINDS = (P.MsgKind.INLINE_REQUEST, P.MsgKind.INLINE_REPLY, P.MsgKind.INLINE_MODELS,
+                P.MsgKind.INLINE_MODELS_REPLY)
+
+
+def test_the_inline_kinds_keep_their_numbers() -> None:
+    """docs/PROTOCOL.md section 10: what inline callers already send and expect."""
+    assert [int(k) for k in INLINE_KINDS] == [40, 41, 42, 43]
+    assert P.PROTOCOL_VERSION.to_bytes(2, "little") + b"\x2a\x00" == P.INLINE_MODELS_ENVELOPE
 
 
 @pytest.mark.parametrize("msg", CONTROL_SAMPLES, ids=lambda m: type(m).__name__)
@@ -106,6 +117,21 @@ def test_control_round_trip(msg: msgspec.Struct) -> None:
     assert type(out) is type(msg)
     assert out == msg
     assert P.decode_as(frames, type(msg)) == msg
+
+
+def test_setup_and_attach_carry_one_session_ring_in_the_fields_of_protocol_2() -> None:
+    """SETUP and ATTACH are a SessionRing with fields of their own after its eight: the JSON stays flat, field
+    for field what a version 2 reader (examples/c) parses."""
+    ring = P.SessionRing(**_RING)
+    setup = P.Setup.of(ring, models=[_MODEL], handshake_timeout_ms=5000)
+    attach = P.Attach.of(setup, client_uid=1000)  # from a Setup too: only the ring's fields are copied
+    assert P.Setup(**_RING, models=[_MODEL], handshake_timeout_ms=5000) == setup
+    assert P.Attach(**_RING, client_uid=1000) == attach
+    assert list(P.Setup.__struct_fields__) == [*_RING, "models", "handshake_timeout_ms"]
+    assert list(P.Attach.__struct_fields__) == [*_RING, "client_uid"]
+    flat = json.dumps({**_RING, "client_uid": 1000}, separators=(",", ":")).encode()
+    assert P.encode(attach)[1] == flat
+    assert P.decode([P.envelope(P.MsgKind.ATTACH), flat]) == attach
 
 
 def test_defaults_fill_missing_optional_fields() -> None:
@@ -164,7 +190,7 @@ def test_unknown_kind(kind: int) -> None:
         P.decode(frames)
 
 
-@pytest.mark.parametrize("kind", [P.MsgKind.SUBMIT, P.MsgKind.DONE])
+@pytest.mark.parametrize("kind", [P.MsgKind.SUBMIT, P.MsgKind.DONE, *INLINE_KINDS])
 def test_data_plane_kind_is_not_a_control_message(kind: P.MsgKind) -> None:
     with pytest.raises(P.ProtocolError, match=f"{kind.name} is not a control message"):
         P.decode([P.envelope(kind), b"{}"])

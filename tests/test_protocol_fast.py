@@ -5,9 +5,11 @@ that the worker's intake reads in place from a tensor descriptor."""
 
 from __future__ import annotations
 
+import collections
 import secrets
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,10 +18,11 @@ from hypothesis import strategies as st
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
+from shmbroker.client.session import ModelPlan
 from shmbroker.gpu_worker.codec import ModelCodec
 from shmbroker.gpu_worker.engines.base import IOSpec
 from shmbroker.gpu_worker.hints import Watch, hinted_submit
-from shmbroker.gpu_worker.intake import ModelView
+from shmbroker.gpu_worker.intake import ModelView, out_layout
 
 u32 = st.integers(0, 2**32 - 1)
 u64 = st.integers(0, 2**64 - 1)
@@ -29,22 +32,23 @@ tensor = st.builds(P.TensorDesc, st.integers(0, 2**16 - 1), st.sampled_from([int
 request = st.builds(P.SubmitRequest, u64, u32, u32, u32, u32, st.lists(tensor, max_size=3))
 
 
-def _records(reqs: list[P.SubmitRequest]) -> tuple[list[bytes], list[bytes], int]:
-    """What a client packs per request (client.links.Links.flush): records, descriptors, tensor count."""
-    records, descs, n_t = [], [], 0
-    for r in reqs:
-        records.append(P.REQUEST.pack(r.request_id, r.slot, r.generation, r.model_id, n_t, len(r.tensors),
-                                      r.timeout_us))
-        descs.append(b"".join(P.pack_tensor(t) for t in r.tensors))
-        n_t += len(r.tensors)
-    return records, descs, n_t
+def _queued(reqs: list[P.SubmitRequest]) -> collections.deque[P.SubmitRecord]:
+    """The requests as a client queues them on a link (client.client's _send)."""
+    return collections.deque((r.request_id, r.slot, r.generation, r.model_id, len(r.tensors), r.timeout_us,
+                              b"".join(P.pack_tensor(t) for t in r.tensors)) for r in reqs)
 
 
 @given(u32, u64, st.lists(request, max_size=6))
 def test_the_clients_submit_body_is_encode_submits(session_id: int, token: int, reqs: list[P.SubmitRequest]) -> None:
-    records, descs, n_t = _records(reqs)
-    fast = P.submit_body(session_id, token, records, descs, n_t)
-    assert [P.envelope(P.MsgKind.SUBMIT), fast] == P.encode_submit(P.SubmitBatch(session_id, token, reqs))
+    """P.drain_submit is the packer that client.links.Links.flush sends with."""
+    queue = _queued(reqs)
+    fast = P.drain_submit(session_id, token, queue)
+    assert not queue
+    if not reqs:
+        assert fast is None
+        return
+    assert fast is not None
+    assert [P.SUBMIT_ENVELOPE, fast] == P.encode_submit(P.SubmitBatch(session_id, token, reqs))
     assert P.decode_submit(fast) == P.SubmitBatch(session_id, token, reqs)
 
 
@@ -63,7 +67,7 @@ def test_the_workers_ok_done_body_is_encode_dones(session_id: int,
         n_t += len(tensors)
     fast = P.done_body(session_id, records, descs, n_t)
     results = [P.Result(rid, slot, gen, P.Status.OK, tensors) for rid, slot, gen, tensors in answers]
-    assert [P.envelope(P.MsgKind.DONE), fast] == P.encode_done(P.DoneBatch(session_id, results))
+    assert [P.DONE_ENVELOPE, fast] == P.encode_done(P.DoneBatch(session_id, results))
 
 
 @settings(max_examples=50)
@@ -75,10 +79,41 @@ def test_the_codecs_done_of_ok_answers_is_encode_dones(session_id: int,
     codec = ModelCodec(view)
     done = [SimpleNamespace(req=SimpleNamespace(request_id=rid, slot=slot, generation=gen), rows=rows)
             for rid, slot, gen, rows in answers]
+    out_specs = [(s.dtype, s.item_shape) for s in outputs]
     full = P.encode_done(P.DoneBatch(session_id, [
-        P.Result(rid, slot, gen, P.Status.OK, ModelCodec._canon(outputs, codec._out_codes, rows)[1])
+        P.Result(rid, slot, gen, P.Status.OK, P.CanonicalRows.of([], out_specs, rows).out_descs)
         for rid, slot, gen, rows in answers]))
     assert codec.done_ok(session_id, done) == full  # type: ignore[arg-type]
+
+
+item_dtypes = st.sampled_from([P.numpy_dtype(d) for d in P.DType])
+item_shapes = st.lists(st.integers(1, 5), max_size=3).map(tuple)
+specs = st.lists(st.tuples(st.text("abcxyz", min_size=1, max_size=4), item_dtypes, item_shapes), min_size=1,
+                 max_size=3, unique_by=lambda t: t[0])
+
+
+@settings(max_examples=60)
+@given(specs, specs, st.integers(1, 6))
+def test_the_client_and_the_worker_use_one_canonical_layout(
+        inputs: list[tuple[str, np.dtype[Any], tuple[int, ...]]],
+        outputs: list[tuple[str, np.dtype[Any], tuple[int, ...]]], max_batch: int) -> None:
+    """What the client sends and expects back (client.session.ModelPlan) is what the worker compares and
+    answers with (gpu_worker.codec.ModelCodec): one protocol.CanonicalRows per row count, which the worker's
+    detailed checks (gpu_worker.intake) would accept as well."""
+    info = P.ModelInfo(3, "m", max_batch, [P.TensorSpec(n, dt.name, [-1, *shape]) for n, dt, shape in inputs],
+                       [P.TensorSpec(n, dt.name, [-1, *shape]) for n, dt, shape in outputs], 500)
+    view = ModelView(3, "m", max_batch, [IOSpec(n, dt, (-1, *shape)) for n, dt, shape in inputs],
+                     [IOSpec(n, dt, (-1, *shape)) for n, dt, shape in outputs], 500)
+    plan, codec = ModelPlan.of(info), ModelCodec(view)
+    for rows in range(1, max_batch + 1):
+        lay = plan.layout(rows)
+        assert lay == codec.rows[rows]
+        assert lay.in_desc_bytes == b"".join(map(P.pack_tensor, lay.in_descs))
+        assert lay.out_offsets == out_layout(view.outputs, rows)[0]
+        sent = P.SubmitRequest(1, 0, 1, 3, 0, lay.in_descs)
+        assert P.decode_submit(P.encode_submit(P.SubmitBatch(1, 2, [sent]))[1]).requests == [sent]
+        assert [(d.dtype, d.shape) for d in lay.in_descs] == [
+            (P.dtype_code(dt), (rows, *shape)) for _n, dt, shape in inputs]
 
 
 @pytest.fixture(scope="module")

@@ -128,23 +128,23 @@ def test_check_span_matches_interval_arithmetic(offset: int, nbytes: int, capaci
 
 
 def test_pack_offsets_examples() -> None:
-    assert R.pack_offsets([]) == ([], 0)
-    assert R.pack_offsets([1]) == ([0], 1)
-    assert R.pack_offsets([1, 1]) == ([0, 64], 65)
-    assert R.pack_offsets([64, 10]) == ([0, 64], 74)
-    assert R.pack_offsets([65, 10, 3]) == ([0, 128, 192], 195)
-    assert R.pack_offsets([0, 5]) == ([0, 0], 5)
+    assert P.pack_offsets([]) == ([], 0)
+    assert P.pack_offsets([1]) == ([0], 1)
+    assert P.pack_offsets([1, 1]) == ([0, 64], 65)
+    assert P.pack_offsets([64, 10]) == ([0, 64], 74)
+    assert P.pack_offsets([65, 10, 3]) == ([0, 128, 192], 195)
+    assert P.pack_offsets([0, 5]) == ([0, 0], 5)
 
 
 @settings(database=None, max_examples=300)
 @given(st.lists(st.integers(0, 1 << 20), max_size=16))
 def test_pack_offsets_alignment(sizes: list[int]) -> None:
-    offsets, end = R.pack_offsets(sizes)
+    offsets, end = P.pack_offsets(sizes)
     assert len(offsets) == len(sizes)
-    assert all(o % R.TENSOR_ALIGN == 0 for o in offsets)
+    assert all(o % P.TENSOR_ALIGN == 0 for o in offsets)
     prev_end = 0
     for o, n in zip(offsets, sizes, strict=True):
-        assert prev_end <= o < prev_end + R.TENSOR_ALIGN  # aligned, and no more padding than needed
+        assert prev_end <= o < prev_end + P.TENSOR_ALIGN  # aligned, and no more padding than needed
         prev_end = o + n
     assert end == prev_end
 

@@ -14,6 +14,7 @@ import msgspec
 from msgspec import Meta
 
 from shmbroker.broker.common.engines import choices_text, engine_table
+from shmbroker.broker.common.protocol import MAX_SLOTS
 
 # package data (shmbroker.configs), so a wheel carries it as a checkout does
 DEFAULT_CONFIG = Path(str(resources.files("shmbroker.configs").joinpath("default.toml"))).resolve()
@@ -38,8 +39,8 @@ class BrokerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class SessionsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    default_slots: Annotated[int, Meta(ge=1, le=4096)] = 16
-    max_slots: Annotated[int, Meta(ge=1, le=4096)] = 1024
+    default_slots: Annotated[int, Meta(ge=1, le=MAX_SLOTS)] = 16
+    max_slots: Annotated[int, Meta(ge=1, le=MAX_SLOTS)] = 1024  # the SUBMIT size bound (protocol) rests on this
     # rows a slot holds when the client does not say; 0: as many as default_ring_mib allows
     default_max_items: Annotated[int, Meta(ge=0, le=4096)] = 0
     # with default_max_items = 0: a default session's ring (every byte of it page-locked by a GPU worker) is

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,8 +26,6 @@ from shmbroker.broker.common.ring import Segment
 
 log = logging.getLogger(__name__)
 
-UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-TIMEVAL = struct.Struct("ll")  # struct timeval: SO_SNDTIMEO and SO_RCVTIMEO
 # Connections accepted whose request has not come yet. A peer sends its request right after connecting, so a
 # silent one is closed after FIRST_BYTES_S; a uid keeps at most MAX_PENDING_PER_UID (its oldest goes first), so
 # one user's silent connections never displace another's, and MAX_PENDING bounds the broker's descriptors.
@@ -53,7 +50,7 @@ class Peer:
 
 def peer_of(sock: socket.socket) -> Peer:
     """SO_PEERCRED of a connected Unix socket."""
-    pid, uid, gid = UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))
+    pid, uid, gid = P.UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, P.UCRED.size))
     return Peer(pid, uid, gid)
 
 
@@ -282,4 +279,4 @@ def _late(session_id: int, path: Path, timeout_s: float) -> HandoutError:
 def _time_left(s: socket.socket, option: int, deadline: float) -> None:
     """Set a send or receive timeout of the time left until ``deadline`` (at least 1 ms: 0 means none)."""
     left = max(deadline - time.monotonic(), 1e-3)
-    s.setsockopt(socket.SOL_SOCKET, option, TIMEVAL.pack(int(left), int(left % 1 * 1e6)))
+    s.setsockopt(socket.SOL_SOCKET, option, P.TIMEVAL.pack(int(left), int(left % 1 * 1e6)))

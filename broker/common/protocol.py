@@ -8,20 +8,24 @@ travel here: only slot descriptors do. docs/PROTOCOL.md describes the same bytes
 
 from __future__ import annotations
 
+import collections
 import enum
 import json
+import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Self, TypeVar
 
 import msgspec
 import msgspec.inspect
 import numpy as np
 
-from shmbroker.broker.common.config import SessionsSection
-
 PROTOCOL_VERSION = 2
 MAX_DIMS = 8
+# A ring's most slots, the ceiling of sessions.max_slots (broker/common/config.py takes it from here): the
+# bound on the requests in flight that a SUBMIT carries (max_submit_bytes).
+MAX_SLOTS = 4096
 HELLO_NAME_MAX = 256  # Hello.name's most characters: a bound on the HELLO, so on the control socket's frames
 
 
@@ -64,6 +68,11 @@ class MsgKind(enum.IntEnum):
     # client <-> worker (data plane, binary bodies)
     SUBMIT = 32
     DONE = 33
+    # caller <-> inline gateway (frontend/inline.py's sockets only; section 10 of docs/PROTOCOL.md)
+    INLINE_REQUEST = 40
+    INLINE_REPLY = 41
+    INLINE_MODELS = 42  # body {}: what the gateway serves
+    INLINE_MODELS_REPLY = 43  # body InlineModelsReply: the models SETUP carries and the gateway's rows limit
     # client or worker <-> broker (the ring handout socket, binary records; the ring travels by SCM_RIGHTS)
     RING_REQUEST = 50
     RING_GRANT = 51
@@ -152,6 +161,15 @@ def envelope(kind: MsgKind) -> bytes:
     return ENVELOPE.pack(PROTOCOL_VERSION, kind)
 
 
+# The data plane's envelopes, compared whole on the hot paths, and the inline gateway's
+SUBMIT_ENVELOPE = envelope(MsgKind.SUBMIT)
+DONE_ENVELOPE = envelope(MsgKind.DONE)
+INLINE_REQUEST_ENVELOPE = envelope(MsgKind.INLINE_REQUEST)
+INLINE_REPLY_ENVELOPE = envelope(MsgKind.INLINE_REPLY)
+INLINE_MODELS_ENVELOPE = envelope(MsgKind.INLINE_MODELS)
+INLINE_MODELS_REPLY_ENVELOPE = envelope(MsgKind.INLINE_MODELS_REPLY)
+
+
 def read_envelope(frames: list[bytes]) -> MsgKind:
     """The kind of a two-frame message; ProtocolError names what is off (frame count, version, kind)."""
     if len(frames) != 2:
@@ -204,7 +222,10 @@ class Hello(msgspec.Struct, frozen=True):
     name: Annotated[str, msgspec.Meta(max_length=HELLO_NAME_MAX)] = ""
 
 
-class Setup(msgspec.Struct, frozen=True):
+class SessionRing(msgspec.Struct, frozen=True):
+    """A session and the geometry of its ring, which the broker tells the client (SETUP) and each worker
+    (ATTACH) in the same fields: both messages are a SessionRing with fields of their own after these."""
+
     session_id: int
     token: int  # the session's secret: asks for the ring (RING_REQUEST), and authenticates each SUBMIT
     segment_bytes: int
@@ -213,6 +234,14 @@ class Setup(msgspec.Struct, frozen=True):
     in_capacity: int
     out_capacity: int
     max_items: int
+
+    @classmethod
+    def of(cls, ring: SessionRing, **rest: Any) -> Self:
+        """This kind of message with ``ring``'s fields, copied by name, and its own fields ``rest``."""
+        return cls(**{name: getattr(ring, name) for name in SessionRing.__struct_fields__}, **rest)
+
+
+class Setup(SessionRing, frozen=True):
     models: list[ModelInfo]
     handshake_timeout_ms: int
 
@@ -339,15 +368,7 @@ class WorkerFailed(msgspec.Struct, frozen=True):
     reason: str
 
 
-class Attach(msgspec.Struct, frozen=True):
-    session_id: int
-    token: int
-    segment_bytes: int
-    n_slots: int
-    slot_stride: int
-    in_capacity: int
-    out_capacity: int
-    max_items: int
+class Attach(SessionRing, frozen=True):
     client_uid: int  # the only user whose connection to the session's reply socket the worker admits
 
 
@@ -478,6 +499,46 @@ def decode_as(frames: list[bytes], expected: type[T]) -> T:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The inline gateway's messages (frontend/inline.py; docs/PROTOCOL.md section 10): the envelope, a JSON header
+# of these types, then one frame per tensor
+# ---------------------------------------------------------------------------------------------------------
+class InlineTensor(msgspec.Struct, frozen=True):
+    name: str
+    dtype: str  # numpy name, as in TensorSpec
+    shape: list[int]
+
+
+class InlineRequest(msgspec.Struct, frozen=True):
+    id: int
+    model: str
+    inputs: list[InlineTensor]
+    timeout_us: int = 0  # 0: the model's timeout_ms
+
+
+class InlineRequestId(msgspec.Struct):
+    """An INLINE_REQUEST header's id alone: read from a header that fails InlineRequest's schema, so that the
+    answer still names it."""
+
+    id: int
+
+
+class InlineReply(msgspec.Struct, frozen=True):
+    id: int
+    status: str  # "OK" or the protocol's code (BAD_INPUT, OVERLOADED, TIMEOUT, UNKNOWN_MODEL, ..., BAD_MESSAGE)
+    message: str = ""
+    outputs: list[InlineTensor] = []
+
+
+class InlineModelsReply(msgspec.Struct, frozen=True):
+    """What the gateway serves: ``max_items`` is the rows limit, the largest ``max_batch``, so a request may have
+    ``min(max_items, model.max_batch)`` rows (the gateway's client sends one of more rows than a slot holds as
+    parts)."""
+
+    models: list[ModelInfo]
+    max_items: int
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Ring handout (one SOCK_SEQPACKET exchange on rings.sock; docs/PROTOCOL.md §3.2)
 
 RING_REQUEST = struct.Struct("<HHIQ")  # kind (RING_REQUEST), protocol version, session_id, token
@@ -506,17 +567,6 @@ RESULT = struct.Struct("<QIIIIIIII")  # request_id, slot, generation, status, fi
 # msg_offset, msg_len, reserved
 
 
-def _ceiling(config: type[msgspec.Struct], name: str) -> int:
-    """The largest value a config section allows for its int field ``name`` (its ``Meta(le=...)``)."""
-    info = msgspec.inspect.type_info(config)
-    for f in info.fields if isinstance(info, msgspec.inspect.StructType) else ():
-        if f.name == name and isinstance(f.type, msgspec.inspect.IntType) and f.type.le is not None:
-            return f.type.le
-    raise TypeError(f"{config.__name__}.{name} declares no upper bound")
-
-
-# A ring's most slots: the ceiling of sessions.max_slots (broker/common/config.py), which every session is within.
-MAX_SLOTS = _ceiling(SessionsSection, "max_slots")
 # A SUBMIT carries an entry per request in flight, so one per slot, and the late entries of requests a worker
 # took from their hints and answered before the client's coalesced SUBMIT left (PROTOCOL 4.2), a few at most:
 # room for 2 per slot of the largest ring, so 8 per slot of a 1024-slot ring and 512 per slot of a 16-slot one.
@@ -560,6 +610,27 @@ def submit_body(session_id: int, token: int, records: list[bytes], descs: list[b
     """A SUBMIT body from packed REQUEST records and their tensor descriptors (the clients' fast encoder;
     ``encode_submit`` writes the same bytes from SubmitRequests)."""
     return b"".join([SUBMIT_HEADER.pack(session_id, len(records), n_tensors, 0, token), *records, *descs])
+
+
+# A request as a client queues it for its link's next SUBMIT: request_id, slot, generation, model_id, n_tensors,
+# timeout_us and its tensor descriptors, packed
+SubmitRecord = tuple[int, int, int, int, int, int, bytes]
+
+
+def drain_submit(session_id: int, token: int, queue: collections.deque[SubmitRecord]) -> bytes | None:
+    """The SUBMIT body of every record in ``queue``, taken from its left until it is empty (other threads may
+    append meanwhile); None when it was empty. The clients' fast encoder: ``encode_submit`` writes the same
+    bytes from SubmitRequests."""
+    records: list[bytes] = []
+    descs: list[bytes] = []
+    n_t = 0
+    pack, take = REQUEST.pack, queue.popleft
+    while queue:
+        rid, slot, gen, model_id, n, timeout_us, desc = take()
+        records.append(pack(rid, slot, gen, model_id, n_t, n, timeout_us))
+        descs.append(desc)
+        n_t += n
+    return submit_body(session_id, token, records, descs, n_t) if records else None
 
 
 def done_body(session_id: int, records: list[bytes], descs: list[bytes], n_tensors: int) -> bytes:
@@ -618,6 +689,56 @@ def pack_tensor(t: TensorDesc) -> bytes:
         raise ProtocolError(f"tensor {t.index} has {ndim} dimensions; the protocol carries at most {MAX_DIMS}")
     dims = (*t.shape, *((0,) * (MAX_DIMS - ndim)))
     return TENSOR.pack(t.index, t.dtype, ndim, 0, t.offset, t.nbytes, *dims)
+
+
+TENSOR_ALIGN = 64
+
+
+def pack_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of tensors packed in order at TENSOR_ALIGN boundaries, and the bytes they span in all."""
+    offsets = []
+    end = 0
+    for n in sizes:
+        start = (end + TENSOR_ALIGN - 1) // TENSOR_ALIGN * TENSOR_ALIGN
+        offsets.append(start)
+        end = start + n
+    return offsets, end
+
+
+# A tensor of a model as the canonical layout needs it: its dtype and its shape without the batch dimension
+ItemSpec = tuple[np.dtype[Any], tuple[int, ...]]
+
+
+def _canonical_descs(specs: Sequence[ItemSpec], rows: int) -> list[TensorDesc]:
+    sizes = [rows * math.prod(shape) * dt.itemsize for dt, shape in specs]
+    offsets = pack_offsets(sizes)[0]
+    return [TensorDesc(k, int(dtype_code(dt)), offsets[k], sizes[k], (rows, *shape))
+            for k, (dt, shape) in enumerate(specs)]
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalRows:
+    """A request of ``rows`` rows to one model, its tensors packed canonically (``pack_offsets`` in their
+    order): its descriptors are then the same bytes for every such request. The client sends these and
+    expects them back; the worker compares a SUBMIT's descriptors with these bytes (one compare accepts dtype,
+    shape, size and span at once) and answers with these. Built once per model and row count, never per request."""
+
+    rows: int
+    in_descs: list[TensorDesc]  # shared by every such request (the worker compares them by identity)
+    in_desc_bytes: bytes  # the SUBMIT tensor descriptors
+    in_offsets: list[int]  # where the inputs go in a slot's input region
+    in_nbytes: list[int]
+    out_descs: list[TensorDesc]
+    out_desc_bytes: bytes  # the DONE tensor descriptors
+    out_offsets: list[int]  # where the outputs go in a slot's output region
+    ok: Result  # an OK answer with these outputs (request id, slot and generation 0; shared, read-only)
+
+    @classmethod
+    def of(cls, inputs: Sequence[ItemSpec], outputs: Sequence[ItemSpec], rows: int) -> CanonicalRows:
+        ins = _canonical_descs(inputs, rows)
+        outs = _canonical_descs(outputs, rows)
+        return cls(rows, ins, b"".join(map(pack_tensor, ins)), [d.offset for d in ins], [d.nbytes for d in ins],
+                   outs, b"".join(map(pack_tensor, outs)), [d.offset for d in outs], Result(0, 0, 0, Status.OK, outs))
 
 
 def _unpack_tensors(body: bytes | memoryview, start: int, count: int) -> list[TensorDesc]:
@@ -712,3 +833,11 @@ def decode_done(body: bytes | memoryview) -> DoneBatch:
         message = text[m_off : m_off + m_len].decode("utf-8", "replace")
         results.append(Result(rid, slot, gen, status, tensors[first : first + count], message))
     return DoneBatch(session_id, results)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# OS and libzmq layouts: the kernel's and libzmq's structs that shmbroker reads or writes, native byte order
+# ---------------------------------------------------------------------------------------------------------
+UCRED = struct.Struct("3i")  # struct ucred (SO_PEERCRED): pid, uid, gid
+TIMEVAL = struct.Struct("ll")  # struct timeval: SO_SNDTIMEO and SO_RCVTIMEO
+ZMQ_MONITOR_EVENT = struct.Struct("=H")  # a ZeroMQ monitor message's first frame starts with the event id, u16

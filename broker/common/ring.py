@@ -42,6 +42,7 @@ from shmbroker.broker.common.protocol import (
     SLOT_TAIL,
     STATE_WORD,
     STATUS_AT,
+    SessionRing,
     SlotState,
 )
 
@@ -92,6 +93,12 @@ class RingLayout:
         object.__setattr__(self, "input_bases", [b + SLOT_HEADER_BYTES for b in self.slot_bases])
         object.__setattr__(self, "output_bases", [b + out_offset for b in self.slot_bases])
 
+    @classmethod
+    def of(cls, ring: SessionRing) -> RingLayout:
+        """The layout of the ring that SETUP or ATTACH announces (its slot_stride and segment_bytes are the
+        ones this derives, when the broker is of this version)."""
+        return cls(ring.session_id, ring.n_slots, ring.in_capacity, ring.out_capacity)
+
     def slot_base(self, slot: int) -> int:
         return self.slot_bases[slot]
 
@@ -108,20 +115,6 @@ def check_span(field: str, offset: int, nbytes: int, capacity: int) -> None:
         raise RingError(f"{field}: offset {offset} and size {nbytes} must not be negative")
     if offset > capacity or nbytes > capacity - offset:
         raise RingError(f"{field}: bytes [{offset}, {offset}+{nbytes}) exceed the slot region of {capacity} bytes")
-
-
-TENSOR_ALIGN = 64
-
-
-def pack_offsets(sizes: list[int]) -> tuple[list[int], int]:
-    """Offsets of tensors packed in order at TENSOR_ALIGN boundaries, and the bytes they span in all."""
-    offsets = []
-    end = 0
-    for n in sizes:
-        start = align(end, TENSOR_ALIGN)
-        offsets.append(start)
-        end = start + n
-    return offsets, end
 
 
 def segment_name(instance: str, session_id: int) -> str:

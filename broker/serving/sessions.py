@@ -21,7 +21,8 @@ import psutil
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.config import Config, SessionsSection
 from shmbroker.broker.common.handout import Grantable, Peer
-from shmbroker.broker.common.ring import RingLayout, Segment, pack_offsets, segment_name
+from shmbroker.broker.common.protocol import pack_offsets
+from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +65,17 @@ class BrokerSession:
     by_lock: bool = False  # liveness by the client's segment lock (broker.common.liveness), else by its pid
     counted: bool = True  # against the caps: until it starts closing
 
-    def setup(self, models: list[P.ModelInfo], timeout_ms: int) -> P.Setup:
+    def ring(self) -> P.SessionRing:
+        """The session and its ring's geometry, as SETUP and ATTACH both carry them."""
         lay = self.segment.layout
-        return P.Setup(
-            self.session_id, self.token, lay.total_bytes, lay.n_slots, lay.slot_stride, lay.in_capacity,
-            lay.out_capacity, self.max_items, models, timeout_ms,
-        )
+        return P.SessionRing(self.session_id, self.token, lay.total_bytes, lay.n_slots, lay.slot_stride,
+                             lay.in_capacity, lay.out_capacity, self.max_items)
+
+    def setup(self, models: list[P.ModelInfo], timeout_ms: int) -> P.Setup:
+        return P.Setup.of(self.ring(), models=models, handshake_timeout_ms=timeout_ms)
 
     def attach_msg(self) -> P.Attach:
-        lay = self.segment.layout
-        return P.Attach(
-            self.session_id, self.token, lay.total_bytes, lay.n_slots, lay.slot_stride, lay.in_capacity,
-            lay.out_capacity, self.max_items, self.peer.uid,
-        )
+        return P.Attach.of(self.ring(), client_uid=self.peer.uid)
 
 
 def item_bytes(spec: P.TensorSpec) -> int:
