@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import struct
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -640,3 +642,11 @@ def test_random_frames_never_crash_decode(
     _decodes_or_protocol_error(P.decode, [P.ENVELOPE.pack(version, kind), body])
     _decodes_or_protocol_error(P.decode, [P.envelope(kind), body])
     _decodes_or_protocol_error(P.decode, [P.envelope(kind), json.dumps(doc).encode()])
+
+
+def test_protocol_md_lists_every_kind_with_its_value() -> None:
+    """PROTOCOL.md §2.1's table is MsgKind, the inline gateway's kinds included."""
+    text = (Path(__file__).parent.parent / "docs" / "PROTOCOL.md").read_text()
+    table = text[text.index("### 2.1 MsgKind table"):text.index("### 2.2")]
+    rows = re.findall(r"^\| ([A-Z_]+) \| (\d+) \|", table, re.MULTILINE)
+    assert {name: int(value) for name, value in rows} == {k.name: int(k) for k in P.MsgKind}
