@@ -624,13 +624,15 @@ def drain_submit(session_id: int, token: int, queue: collections.deque[SubmitRec
     records: list[bytes] = []
     descs: list[bytes] = []
     n_t = 0
-    pack, take = REQUEST.pack, queue.popleft
+    pack = REQUEST.pack
     while queue:
-        rid, slot, gen, model_id, n, timeout_us, desc = take()
+        rid, slot, gen, model_id, n, timeout_us, desc = queue.popleft()
         records.append(pack(rid, slot, gen, model_id, n_t, n, timeout_us))
         descs.append(desc)
         n_t += n
-    return submit_body(session_id, token, records, descs, n_t) if records else None
+    if not records:
+        return None
+    return b"".join([SUBMIT_HEADER.pack(session_id, len(records), n_t, 0, token), *records, *descs])
 
 
 def done_body(session_id: int, records: list[bytes], descs: list[bytes], n_tensors: int) -> bytes:
