@@ -217,7 +217,7 @@ def columns(cfg: config.Config, args: argparse.Namespace, workdir: Path) -> list
         try:
             options = gpu_variants.parse_options(getattr(args, "model_options", []))
             if name == "null":
-                options = {"null_compute_us": getattr(args, "null_compute_us", 100), **options}
+                options = {"null_compute_us": args.null_compute_us, **options}
             variant = gpu_variants.engine_config(cfg, MODEL, name, package, args.max_batch, args.streams, options)
         except config.ConfigError as exc:
             raise SystemExit(str(exc)) from None
