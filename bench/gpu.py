@@ -88,7 +88,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the model's stream slots in (c), instead of the config's")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="model_options",
                     help=f"a key of [models.{MODEL}] in (c), or SECTION.KEY of another section, instead of the "
-                         "config's (repeatable; say idle_dispatch=false, worker.spin_us=0)")
+                         "config's (repeatable; say batching=triton, worker.spin_us=0)")
 
 
 @dataclass(frozen=True)
