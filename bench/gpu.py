@@ -88,7 +88,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the model's stream slots in (c), instead of the config's")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="model_options",
                     help=f"a key of [models.{MODEL}] in (c), or SECTION.KEY of another section, instead of the "
-                         "config's (repeatable; say idle_dispatch=false, worker.spin_us=0)")
+                         "config's (repeatable; say batching=triton, worker.spin_us=0)")
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ def columns(cfg: config.Config, args: argparse.Namespace, workdir: Path) -> list
         try:
             options = gpu_variants.parse_options(getattr(args, "model_options", []))
             if name == "null":
-                options = {"null_compute_us": getattr(args, "null_compute_us", 100), **options}
+                options = {"null_compute_us": args.null_compute_us, **options}
             variant = gpu_variants.engine_config(cfg, MODEL, name, package, args.max_batch, args.streams, options)
         except config.ConfigError as exc:
             raise SystemExit(str(exc)) from None

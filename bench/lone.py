@@ -1,9 +1,9 @@
 """``python -m shmbroker.bench.lone``: a lone request (concurrency 1) through the broker, with idle dispatch on and off,
 against the engine in-process at batch 1 with 1 and 2 threads, all in one run, in interleaved rounds.
 
-The broker runs the config (default ``configs/default.toml``) with ``models.MODEL.idle_dispatch`` set each
-way; one client calls ``infer`` ``--requests`` times in a row after a warm-up. JSON on stdout (``--out`` for
-a file), progress on stderr. The target: the broker's p50 with idle dispatch at most 1.25 x
+The broker runs the config (default ``configs/default.toml``) with ``models.MODEL.batching`` set to "idle"
+and to "triton"; one client calls ``infer`` ``--requests`` times in a row after a warm-up. JSON on stdout
+(``--out`` for a file), progress on stderr. The target: the broker's p50 with idle dispatch at most 1.25 x
 the better in-process p50. Figures: bench/RESULTS.md#idle-dispatch.
 """
 
@@ -53,10 +53,10 @@ def in_process(path: str | bytes, threads: int, x: np.ndarray, requests: int) ->
 
 def through_broker(cfg: config.Config, model: str, idle: bool, x: np.ndarray, requests: int, workdir: Path,
                    progress: Progress) -> float:
-    """p50 of ``Client.infer`` on a broker whose ``model`` has ``idle_dispatch = idle``."""
+    """p50 of ``Client.infer`` on a broker whose ``model`` batches by idle dispatch (``idle``) or Triton's rule."""
     data = config.to_dict(cfg)
     data.pop("source", None)
-    data["models"][model]["idle_dispatch"] = idle  # type: ignore[index]
+    data["models"][model]["batching"] = "idle" if idle else "triton"  # type: ignore[index]
     data["models"][model]["path"] = cfg.model_path(model)  # type: ignore[index]
     variant = config.parse(data, cfg.source)
     run_dir = workdir / f"idle-{idle}"

@@ -103,7 +103,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--in-flight", type=int, default=8, help="--gpu: requests each client keeps in flight (default 8)")
     ap.add_argument("--log-dir", default=None, metavar="DIR", help="--gpu: keep the broker's log there")
     ap.add_argument("--engines", default="", metavar="NAMES",
-                    help="--gpu: torch,inductor: each engine's (a) and (c) side by side (default: the config's)")
+                    help="--gpu: torch,inductor,null: each engine's (a) and (c) side by side (default: the config's)")
+    ap.add_argument("--null-compute-us", type=int, default=100, metavar="US",
+                    help="--gpu: the null column's device time per batch (default 100)")
     ap.add_argument("--inductor", default="", metavar="PACKAGE", help="--gpu: the inductor column's package")
     ap.add_argument("--sweep-max", type=int, default=256, metavar="N", help="--gpu: (a) sweeps batches up to N")
     ap.add_argument("--max-batch", type=int, default=0, metavar="N", help="--gpu: the model's max_batch in (c)")

@@ -1,9 +1,10 @@
-"""The dynamic batcher of one model: a bounded FIFO that hands out batches by Triton's rules.
+"""The dynamic batcher of one model: a bounded FIFO that hands out batches by its policy's rule.
 
 Invariant: a request is in the queue, or in exactly one batch, or answered expired; never two of these.
-A batch forms at once when ``max_batch`` items wait or a preferred size is reached, or (idle dispatch) while
-fewer than ``idle_below`` of its batches run; else when the oldest request has waited ``max_queue_delay_us``
-and the runner's ``hold`` (how long the device stays busy without this batch) has passed.
+A batch forms at once when the rule says so (``BatchingRule.at_once``: ``max_batch`` rows, a preferred size,
+an idle executor); else when the oldest request has waited ``max_queue_delay_us`` and the runner's ``hold``
+(how long the device stays busy without this batch) has passed. It takes the rows the rule sizes it to, fewer
+while a batch of the model runs on a device that said what it prepared (``device_ready``).
 Requests past their deadline are never put in a batch. Every batch handed out is reported ``done`` once.
 """
 
@@ -12,9 +13,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
+
+from shmbroker.gpu_worker.batching import BatchPolicy
 
 T = TypeVar("T")
 
@@ -61,37 +64,46 @@ class More(Generic[E]):
 
 
 class Batcher(Generic[E]):
-    """Thread-safe: ``put`` and ``expire`` from the intake thread, ``take`` from the model's runner."""
+    """Thread-safe: ``put`` and ``expire`` from the intake thread, ``take`` from the model's runner.
 
-    def __init__(
-        self, max_batch: int, max_queue_delay_us: int, preferred: list[int], max_queue_size: int,
-        idle_below: int = 0,
-    ) -> None:
-        """``idle_below``: a batch leaves at once, whatever the delay, while fewer than this many batches of
-        this batcher run (the executors that would otherwise sit idle); 0 waits by Triton's rule always."""
-        self.max_batch = max_batch
-        self.idle_below = idle_below
+    ``policy`` (``BatchPolicy.from_config``) gives the sizes, the delay, the queue's bound and the rule."""
+
+    def __init__(self, policy: BatchPolicy) -> None:
+        self.policy = policy
+        self.rule = policy.new_rule()
+        self._at_once = self.rule.at_once  # bound once: called on every put and take
+        self.max_batch = policy.max_batch
         self._running = 0
         self.hold_until = 0.0  # time.monotonic(): a batch that is not full need not leave before this (``hold``)
         # the batch sizes the engine runs without padding (empty: every size); while a batch of this batcher runs,
-        # one that is not full takes the largest of these that its rows reach, and the rest wait for the next
-        self.fits: list[int] = []
+        # one that is not full takes the largest of these that its rows reach, and the rest wait (``device_ready``)
+        self._fits: list[int] = []
         # while a batch of this batcher runs: how many rows the next batch can copy in before the device runs out
         # of work (None: no bound), and the fewest rows it takes all the same (``trim_to_copies``)
-        self.rows_in_time: Callable[[float], int | None] | None = None
-        self.min_rows = 1
+        self._rows_in_time: Callable[[float], int | None] | None = None
+        self._min_rows = policy.min_rows
         self._waiters = 0  # threads asleep in ``take`` or ``take_more``
         self._filling = 0  # while the runner waits in ``take_more``: the rows that wake it
         # a batch filling on the device (``take_more``) opens by the delay alone; the hold says when it closes
-        self.early = False
+        self.early = policy.early
         self._wake_at = float("inf")  # when the one waiter wakes by itself (meaningful while _waiters == 1)
-        self.delay = max_queue_delay_us / 1e6
-        self.preferred = sorted(set(preferred))
-        self.max_queue_size = max_queue_size
+        self.delay = policy.max_queue_delay_us / 1e6
+        self.max_queue_size = policy.max_queue_size
         self._q: deque[E] = deque()
         self._items = 0
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
+
+    def device_ready(self, sizes: Sequence[int], rows_in_time: Callable[[float], int | None] | None) -> None:
+        """The device runner, once warm (or started without warm-up), says what bounds a batch formed while
+        another of the model runs: ``sizes``, the batch sizes its engine prepared (empty: every size; used with
+        ``trim_to_sizes``), and ``rows_in_time(now)``, how many rows a batch launched then can copy in before
+        the device runs out of launched work (None: no bound; used with ``trim_to_copies``, not with early
+        copies). Called once, before batches run."""
+        with self._cond:
+            self._fits = sorted(sizes) if self.policy.trim_to_sizes else []
+            copies = self.policy.fill_while_busy and self.policy.trim_to_copies and not self.early
+            self._rows_in_time = rows_in_time if copies else None
 
     def __len__(self) -> int:
         return len(self._q)
@@ -122,14 +134,15 @@ class Batcher(Generic[E]):
         return len(taken)
 
     def done(self) -> None:
-        """A batch handed out by ``take`` or ``take_now`` has finished: with idle dispatch, a queued request that
-        waited out the delay may be due now. Nobody is woken otherwise: a due batch needs no wake-up from here,
-        and a cheap model's runner thread stays asleep while the intake runs its batches inline."""
+        """A batch handed out by ``take`` or ``take_now`` has finished: if the rule says so (``freed``: an idle
+        executor, say), a queued request that waits for the delay may be due now. Nobody is woken otherwise: a
+        due batch needs no wake-up from here, and a cheap model's runner thread stays asleep while the intake
+        runs its batches inline."""
         with self._cond:
             self._running -= 1
             # a filling batch left alone (the device is about to idle), or an executor free for a due batch
             alone = self._filling and self._running <= 1
-            if alone or (self._q and self.delay > 0 and self._running == self.idle_below - 1):
+            if alone or (self._q and self.delay > 0 and self.rule.freed(self._running)):
                 self._cond.notify()
 
     @property
@@ -268,9 +281,7 @@ class Batcher(Generic[E]):
         """Seconds until a batch is due: 0 now, inf while the queue is empty."""
         if not self._q:
             return float("inf")
-        if self._running < self.idle_below:  # an executor would sit idle while this waits: no delay
-            return 0.0
-        if self._items >= self.max_batch or (self.preferred and self._items >= self.preferred[0]):
+        if self._at_once(self._items, self._running):
             return 0.0
         wait_until = self._q[0].enqueued + self.delay
         if not self.early:
@@ -284,29 +295,21 @@ class Batcher(Generic[E]):
         """When a batch is due, as ``_due_in`` says, without the queue's deadlines (the waiter knows those)."""
         if not self._q:
             return float("inf")
-        if self._running < self.idle_below or self._items >= self.max_batch or (
-                self.preferred and self._items >= self.preferred[0]):
+        if self._at_once(self._items, self._running):
             return now
         opens = self._q[0].enqueued + self.delay
         return opens if self.early else max(opens, self.hold_until)
 
-    def _target(self) -> int:
-        """How many items the next batch takes: the largest preferred size that is reached, or all."""
-        reached = [p for p in self.preferred if p <= self._items]
-        if reached and self._items < self.max_batch:
-            return reached[-1]
-        return self.max_batch
-
     def _pop_batch(self) -> list[E]:
-        target = self._target()
+        target = self.rule.size(self._items)
         capped = False
-        if self._running and self.rows_in_time is not None:
+        if self._running and self._rows_in_time is not None:
             # rows whose copies would outlast the device's work leave it idle: they wait for the next batch
-            in_time = self.rows_in_time(time.monotonic())
+            in_time = self._rows_in_time(time.monotonic())
             if in_time is not None and in_time < min(target, self._items):
-                target, capped = max(self.min_rows, in_time), True
-        if self.fits and self._running and (capped or self._items < target):
-            target = max((f for f in self.fits if f <= min(target, self._items)), default=target)
+                target, capped = max(self._min_rows, in_time), True
+        if self._fits and self._running and (capped or self._items < target):
+            target = max((f for f in self._fits if f <= min(target, self._items)), default=target)
         batch = self._pop_rows(target)
         if not batch and self._q:  # never starve a request that alone exceeds a preferred size
             batch.append(self._q.popleft())

@@ -8,12 +8,13 @@ import time
 from typing import cast
 
 from shmbroker.broker.common import protocol as P
-from shmbroker.broker.common.config import Config, ModelSection
+from shmbroker.broker.common.config import Config
 from shmbroker.gpu_worker import cuda, model_source
 from shmbroker.gpu_worker.batcher import Batcher
+from shmbroker.gpu_worker.batching import BatchPolicy
 from shmbroker.gpu_worker.engines import DeviceEngine, Engine, IOSpec, is_device_engine, load_engine
 from shmbroker.gpu_worker.intake import ModelView
-from shmbroker.gpu_worker.pipeline import GpuPolicy, PipelineRunner
+from shmbroker.gpu_worker.pipeline import PipelineRunner
 from shmbroker.gpu_worker.runner import BatchRunner, ModelRunner
 from shmbroker.gpu_worker.warmup import prime
 from shmbroker.gpu_worker.work import ModelCounters, Work
@@ -42,11 +43,8 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
         engine = load_engine(mc.engine, model_source.resolve(cfg.model_path(name)), device=device, model=mc)
         view = ModelView(model_id, name, mc.max_batch, engine.inputs, engine.outputs, mc.timeout_ms)
         lone = lone_engine(cfg, name)
-        batcher: Batcher[Work] = Batcher(mc.max_batch, mc.max_queue_delay_us, mc.preferred_batch_sizes,
-                                         mc.max_queue_size, idle_below(mc, engine))
-        runner = make_runner(view, engine, batcher, mc.streams, mc.instances, lone,
-                             GpuPolicy(mc.serial_compute, mc.fill_while_busy, mc.trim_to_sizes, mc.early_copies,
-                                       mc.trim_to_copies))
+        batcher: Batcher[Work] = Batcher(BatchPolicy.from_config(mc, device=is_device_engine(engine)))
+        runner = make_runner(view, engine, batcher, mc.streams, mc.instances, lone)
         if mc.warmup:
             prime(runner)
         served[model_id] = ServedModel(view, engine, runner)
@@ -55,12 +53,11 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
 
 
 def make_runner(model: ModelView, engine: Engine, batcher: Batcher[Work], streams: int,
-                instances: int = 1, lone: Engine | None = None, policy: GpuPolicy | None = None) -> BatchRunner:
-    """The GPU pipeline (``streams`` stream slots, ``policy``) for a device engine, else the host runner
-    (``instances``, ``lone`` for a batch that runs alone)."""
+                instances: int = 1, lone: Engine | None = None) -> BatchRunner:
+    """The GPU pipeline (``streams`` stream slots, sharing the device by the batcher's policy) for a device
+    engine, else the host runner (``instances``, ``lone`` for a batch that runs alone)."""
     if is_device_engine(engine):
-        return PipelineRunner(model, cast("DeviceEngine", engine), batcher, ModelCounters(), streams,
-                              policy=policy or GpuPolicy())
+        return PipelineRunner(model, cast("DeviceEngine", engine), batcher, ModelCounters(), streams)
     return ModelRunner(model, engine, batcher, ModelCounters(), instances, lone)
 
 
@@ -74,14 +71,6 @@ def lone_engine(cfg: Config, name: str) -> Engine | None:
 
     return OnnxRuntimeEngine(model_source.resolve(cfg.model_path(name)),
                              intra_op_threads=mc.instances * mc.intra_op_threads, spin=True)
-
-
-def idle_below(mc: ModelSection, engine: Engine) -> int:
-    """How few running batches leave an executor idle: any of the CPU instances is one; a GPU's stream slots
-    share one device, which is idle only when none of them runs (0: idle dispatch off)."""
-    if not mc.idle_dispatch:
-        return 0
-    return 1 if is_device_engine(engine) else mc.instances
 
 
 def overloaded_message(model: str, size: int) -> str:

@@ -28,7 +28,6 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 from shmbroker.broker.common import proc
 from shmbroker.broker.common import protocol as P
@@ -58,21 +57,6 @@ POLL_END_MAX_MS = 2.0
 EARLY_CHUNK = 32
 
 
-@dataclass(frozen=True)
-class GpuPolicy:
-    """How batches share the device: the config's ``serial_compute``, ``fill_while_busy``, ``trim_to_sizes``,
-    ``early_copies``, ``trim_to_copies``."""
-
-    serial_compute: bool = True
-    fill_while_busy: bool = True
-    trim_to_sizes: bool = True
-    early_copies: bool = False
-    trim_to_copies: bool = True
-
-
-DEFAULT_POLICY = GpuPolicy()
-
-
 class PipelineRunner(BatchRunner):
     """A device engine's runner. Invariant: a stream slot is free, launched (in ``_launched``) or being
     completed; its requests are answered exactly once, by the completion thread or by ``_abandon``."""
@@ -80,8 +64,11 @@ class PipelineRunner(BatchRunner):
     watches_ends = True
 
     def __init__(self, model: ModelView, engine: DeviceEngine, batcher: Batcher[Work], counters: ModelCounters,
-                 streams: int, batched_copies: bool = BATCHED_COPIES, policy: GpuPolicy = DEFAULT_POLICY) -> None:
+                 streams: int, batched_copies: bool = BATCHED_COPIES) -> None:
+        """How batches share the device is the batcher's policy (``BatchPolicy``: ``serial_compute``,
+        ``fill_while_busy``, ``early_copies``)."""
         super().__init__(model, engine, batcher, counters)
+        policy = batcher.policy
         self.device_engine = engine
         self.device = engine.device
         self.copies = CopyPlan(self.codec, batched_copies)
@@ -102,14 +89,10 @@ class PipelineRunner(BatchRunner):
         self.serial_compute = policy.serial_compute
         # while the device is busy, a batch that is not full grows until the device is about to need it
         # with early copies, a batch opened while the device computes is copied in as its requests come (_fill)
-        self.early = policy.fill_while_busy and policy.early_copies
-        batcher.early = self.early
+        self.early = policy.early
         self.plan = (LaunchPlan(model.max_batch, self._expected_s, lead_rows=EARLY_CHUNK if self.early else 0)
                      if policy.fill_while_busy else None)
-        self.trim_to_sizes = policy.trim_to_sizes  # see Batcher.fits
-        if self.plan is not None and policy.trim_to_copies and not self.early:
-            batcher.rows_in_time = self.plan.rows_in_time
-            batcher.min_rows = max(1, model.max_batch // 4)
+        self._told_batcher = False  # Batcher.device_ready: at warm-up, else at start
         self._last_computed: cuda.Event | None = None  # the last launched batch's, with serial_compute
         self._on_device = threading.local()  # threads that made this runner's device current
         self.slots: list[StreamSlot] = []
@@ -163,8 +146,15 @@ class PipelineRunner(BatchRunner):
             self._on_device.set = True
 
     def start(self) -> None:
+        if not self._told_batcher:  # no warm-up: no prepared sizes known
+            self._tell_batcher([])
         self._completer.start()
         super().start()
+
+    def _tell_batcher(self, sizes: list[int]) -> None:
+        """The batcher's device bounds: the engine's prepared batch sizes and the launch plan's rows in time."""
+        self.batcher.device_ready(sizes, None if self.plan is None else self.plan.rows_in_time)
+        self._told_batcher = True
 
     def stop(self) -> None:
         """Stop launching, let every launched batch complete and be answered, answer the queue, free the slots."""
@@ -189,7 +179,8 @@ class PipelineRunner(BatchRunner):
     # -- warm-up -------------------------------------------------------------------------------------------
     def warm_up(self) -> None:
         """Run every stream slot's context at 1 row and ``max_batch`` rows (CUDA graphs are captured then, not
-        on the first requests), and time one max batch with the slot's events."""
+        on the first requests), and time one max batch with the slot's events; then tell the batcher the
+        prepared batch sizes and the launch plan's bound (``Batcher.device_ready``)."""
         cuda.set_device(self.device)
         for slot in self.slots:
             for rows in sorted({1, self.model.max_batch}):
@@ -199,12 +190,10 @@ class PipelineRunner(BatchRunner):
         self.one_row_ms = _median_ms(slot, 1)
         self.max_batch_ms = _median_ms(slot, self.model.max_batch)
         self.copy_probe = probe_batched_copies(slot, self.model.inputs[0].item_bytes, self.model.max_batch)
-        sizes = getattr(slot.ctx, "sizes", None)
-        if self.trim_to_sizes and sizes:
-            self.batcher.fits = sorted(sizes)
         self.copies.batched = bool(self.copy_probe["batched"])
         if self.plan is not None:
             self.plan.prime(_lead_per_row_s(slot, self.model, self.copies.batched))
+        self._tell_batcher(list(getattr(slot.ctx, "sizes", None) or ()))
         log.info("model %s: %d stream slots warm; one row computes in %.3f ms, a batch of %d rows in %.3f ms; "
                  "copies of a batch issued %s (%s)", self.model.name, len(self.slots), self.one_row_ms,
                  self.model.max_batch, self.max_batch_ms,

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from shmbroker.gpu_worker.batcher import Batcher, More, Queued, Take
+from shmbroker.gpu_worker.batching import BatchPolicy
 
 LONG = 60.0  # seconds: a delay or deadline that no test waits for
 LONG_US = int(LONG * 1e6)
@@ -31,7 +32,7 @@ def _names(entries: list[Queued[str]]) -> list[str]:
 def _batcher(
     max_batch: int = 4, delay_us: int = LONG_US, preferred: list[int] | None = None, size: int = 100
 ) -> Batcher[Queued[str]]:
-    return Batcher(max_batch, delay_us, preferred or [], size)
+    return Batcher(BatchPolicy(max_batch, delay_us, tuple(preferred or ()), size, "triton"))
 
 
 def _take_in_thread(b: Batcher[Queued[str]],
@@ -409,7 +410,7 @@ def test_every_request_ends_up_exactly_once() -> None:
 # Idle dispatch: no delay while an executor would sit idle
 # ---------------------------------------------------------------------------------------------------------
 def test_idle_dispatch_sends_a_lone_request_at_once_and_waits_while_busy() -> None:
-    b: Batcher[Queued[str]] = Batcher(4, LONG_US, [], 100, idle_below=1)
+    b: Batcher[Queued[str]] = Batcher(BatchPolicy(4, LONG_US, (), 100, "idle", executors=1))
     assert b.put(_entry("lone"))
     first = b.take_now()  # nothing runs: due now although the delay is a minute away
     assert first is not None and _names(first.batch) == ["lone"]
@@ -426,7 +427,7 @@ def test_idle_dispatch_sends_a_lone_request_at_once_and_waits_while_busy() -> No
 
 
 def test_idle_dispatch_fills_every_instance_then_waits() -> None:
-    b: Batcher[Queued[str]] = Batcher(4, LONG_US, [], 100, idle_below=2)
+    b: Batcher[Queued[str]] = Batcher(BatchPolicy(4, LONG_US, (), 100, "idle", executors=2))
     for name in ("a", "b"):
         assert b.put(_entry(name))
     first = b.take_now()
@@ -442,7 +443,7 @@ def test_idle_dispatch_fills_every_instance_then_waits() -> None:
 
 
 def test_without_idle_dispatch_a_lone_request_waits_for_the_delay() -> None:
-    b = _batcher(max_batch=4)  # idle_below=0: Triton's rule
+    b = _batcher(max_batch=4)  # Triton's rule
     assert b.put(_entry("lone"))
     assert b.take_now() is None
 
@@ -451,7 +452,7 @@ def test_without_idle_dispatch_a_lone_request_waits_for_the_delay() -> None:
 # Hold: while the device is busy, a batch that is not full grows until the device needs it
 # ---------------------------------------------------------------------------------------------------------
 def test_a_hold_keeps_a_busy_batch_growing_past_the_delay() -> None:
-    b: Batcher[Queued[str]] = Batcher(4, 0, [], 100, idle_below=1)  # no delay at all
+    b: Batcher[Queued[str]] = Batcher(BatchPolicy(4, 0, (), 100, "idle", executors=1))  # no delay at all
     b.put(_entry("running"))
     assert b.take_now() is not None  # the device now runs a batch
     b.hold(time.monotonic() + LONG)  # ... that keeps it busy for a minute
@@ -464,7 +465,7 @@ def test_a_hold_keeps_a_busy_batch_growing_past_the_delay() -> None:
 
 
 def test_a_hold_in_the_past_leaves_the_delay_rule() -> None:
-    b: Batcher[Queued[str]] = Batcher(4, 0, [], 100, idle_below=1)
+    b: Batcher[Queued[str]] = Batcher(BatchPolicy(4, 0, (), 100, "idle", executors=1))
     b.put(_entry("running"))
     assert b.take_now() is not None
     b.hold(time.monotonic() - 1.0)
@@ -474,7 +475,7 @@ def test_a_hold_in_the_past_leaves_the_delay_rule() -> None:
 
 
 def test_a_hold_does_not_apply_while_the_device_is_idle() -> None:
-    b: Batcher[Queued[str]] = Batcher(4, 0, [], 100, idle_below=1)
+    b: Batcher[Queued[str]] = Batcher(BatchPolicy(4, 0, (), 100, "idle", executors=1))
     b.hold(time.monotonic() + LONG)
     b.put(_entry("lone"))
     take = b.take_now()  # nothing runs: idle dispatch
@@ -482,7 +483,7 @@ def test_a_hold_does_not_apply_while_the_device_is_idle() -> None:
 
 
 def test_moving_a_hold_earlier_wakes_the_waiting_taker() -> None:
-    b: Batcher[Queued[str]] = Batcher(4, 0, [], 100, idle_below=1)
+    b: Batcher[Queued[str]] = Batcher(BatchPolicy(4, 0, (), 100, "idle", executors=1))
     b.put(_entry("running"))
     assert b.take_now() is not None
     b.hold(time.monotonic() + LONG)
@@ -511,8 +512,8 @@ def test_a_new_entry_with_the_soonest_deadline_wakes_the_taker() -> None:
 
 
 def test_while_a_batch_runs_one_that_is_not_full_takes_the_largest_size_that_needs_no_padding() -> None:
-    b: Batcher[Queued[str]] = Batcher(8, 0, [], 100, idle_below=1)
-    b.fits = [1, 2, 4, 8]
+    b: Batcher[Queued[str]] = Batcher(BatchPolicy(8, 0, (), 100, "idle", executors=1))
+    b.device_ready([1, 2, 4, 8], None)
     for name in "abcdef":
         b.put(_entry(name))
     idle = b.take_now()  # nothing runs: all six leave at once, padded to 8 by the engine
@@ -525,11 +526,9 @@ def test_while_a_batch_runs_one_that_is_not_full_takes_the_largest_size_that_nee
 
 
 def test_while_a_batch_runs_one_takes_only_the_rows_it_can_copy_in_before_the_device_runs_out() -> None:
-    b: Batcher[Queued[str]] = Batcher(8, 0, [], 100, idle_below=1)
-    b.fits = [1, 2, 4, 6, 8]
+    b: Batcher[Queued[str]] = Batcher(BatchPolicy(8, 0, (), 100, "idle", executors=1))  # at least 8 // 4 rows
     in_time: list[int | None] = [5]
-    b.rows_in_time = lambda now: in_time[0]
-    b.min_rows = 2
+    b.device_ready([1, 2, 4, 6, 8], lambda now: in_time[0])
     for name in "abcdefgh":
         b.put(_entry(name))
     idle = b.take_now()  # nothing runs: no bound, a full batch
@@ -544,6 +543,19 @@ def test_while_a_batch_runs_one_takes_only_the_rows_it_can_copy_in_before_the_de
     in_time[0] = None  # no estimate: no bound
     rest = b.take_now()
     assert rest is not None and _names(rest.batch) == list("op")
+
+
+@pytest.mark.parametrize("gpu", [{"trim_to_sizes": False, "trim_to_copies": False}, {"fill_while_busy": False,
+                                                                                   "trim_to_sizes": False}])
+def test_the_device_bounds_apply_only_as_the_policy_says(gpu: dict[str, bool]) -> None:
+    b: Batcher[Queued[str]] = Batcher(BatchPolicy(8, 0, (), 100, "idle", executors=1, **gpu))
+    b.device_ready([1, 2, 4, 8], lambda now: 3)
+    b.put(_entry("running"))
+    assert b.take_now() is not None
+    for name in "abcdef":
+        b.put(_entry(name))
+    busy = b.take_now()  # neither trimmed to a prepared size nor to the rows in time: all six
+    assert busy is not None and _names(busy.batch) == list("abcdef")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -561,8 +573,7 @@ def _take_more_asleep(b: Batcher[Queued[str]], room: int,
 
 def _filling(hold_in: float = LONG) -> Batcher[Queued[str]]:
     """A batcher whose device runs one batch and holds another (the filling one) for ``hold_in`` seconds."""
-    b: Batcher[Queued[str]] = Batcher(8, 0, [], 100, idle_below=1)
-    b.early = True
+    b: Batcher[Queued[str]] = Batcher(BatchPolicy(8, 0, (), 100, "idle", executors=1, early_copies=True))
     for name in ("running", "filling"):
         b.put(_entry(name))
         assert b.take_now() is not None

@@ -29,11 +29,11 @@ def test_each_engine_config_reads_back_equal(tmp_path: Path) -> None:
 
 def test_set_options_reach_the_model_and_read_back(tmp_path: Path) -> None:
     cfg = config.load(DEFAULT_CONFIG)
-    options = gpu_variants.parse_options(["idle_dispatch=false", "max_queue_delay_us = 500", "fp16=true"])
-    assert options == {"idle_dispatch": False, "max_queue_delay_us": 500, "fp16": True}
+    options = gpu_variants.parse_options(["batching=triton", "max_queue_delay_us = 500", "fp16=true"])
+    assert options == {"batching": "triton", "max_queue_delay_us": 500, "fp16": True}
     variant = gpu_variants.engine_config(cfg, MODEL, "torch", options=options)
     back = config.load(gpu_variants.write(variant, tmp_path / "torch.toml")).models[MODEL]
-    assert (back.idle_dispatch, back.max_queue_delay_us, back.fp16) == (False, 500, True)
+    assert (back.batching, back.max_queue_delay_us, back.fp16) == ("triton", 500, True)
     worker = gpu_variants.engine_config(cfg, MODEL, "torch", options={"worker.spin_us": 0})
     assert config.load(gpu_variants.write(worker, tmp_path / "w.toml")).worker.spin_us == 0
 

@@ -97,6 +97,16 @@ def test_gpu_batching_policy_keys_default_and_load() -> None:
     assert (g.serial_compute, g.fill_while_busy, g.trim_to_sizes, g.early_copies) == (False, True, False, True)
 
 
+@pytest.mark.parametrize(("old", "new"), [(True, '"idle"'), (False, '"triton"')])
+def test_the_replaced_idle_dispatch_key_names_batching_and_its_value(tmp_path: Path, old: bool, new: str) -> None:
+    f = tmp_path / "broker.toml"
+    f.write_text(f'[models.m]\npath = "p"\nidle_dispatch = {str(old).lower()}\n')
+    with pytest.raises(ConfigError) as info:
+        C.load(f)
+    msg = str(info.value)
+    assert "key 'models.m.idle_dispatch'" in msg and "models.m.batching" in msg and f"batching = {new}" in msg
+
+
 def test_early_copies_without_filling_names_both_keys() -> None:
     msg = _error(_model(early_copies=True, fill_while_busy=False))
     assert "key 'models.m.early_copies'" in msg and "fill_while_busy = true" in msg

@@ -255,7 +255,7 @@ max_queue_delay_us = 10000000
 max_queue_size = 64
 timeout_ms = 2000
 intra_op_threads = 1
-idle_dispatch = {idle}
+batching = "{rule}"
 """
 
 
@@ -265,7 +265,7 @@ def test_idle_dispatch_runs_a_lone_request_without_the_queue_delay(tmp_path: Pat
                                                                    idle: bool) -> None:
     """A queue delay of 10 s against a 2 s deadline: with idle dispatch the idle runner takes the lone request
     at once and it succeeds; by Triton's rule it waits for company until its deadline passes."""
-    b = start_broker(tmp_path, worker_mode, models=IDLE_MODELS.format(idle="true" if idle else "false"))
+    b = start_broker(tmp_path, worker_mode, models=IDLE_MODELS.format(rule="idle" if idle else "triton"))
     x = np.full((1, 256), 0.5, np.float32)
     try:
         with Client(b.runtime_dir) as c:

@@ -36,8 +36,9 @@ def _pull_outcome(ctx: Ctx, push: zmq.Socket[bytes], address: str) -> tuple[int,
     pull.connect(address)
     assert mon.poll(10_000), "no handshake event"
     event = int(zmq.utils.monitor.recv_monitor_message(mon)["event"])
+    push.setsockopt(zmq.SNDTIMEO, 2000)  # the PUSH side attaches its pipe a little after the PULL's event
     with contextlib.suppress(zmq.Again):  # no admitted peer to send to
-        push.send(b"answer", zmq.NOBLOCK)
+        push.send(b"answer")
     got = pull.recv() if pull.poll(2000) else None
     pull.disable_monitor()
     mon.close(0)

@@ -1,8 +1,8 @@
 """gpu_worker.pipeline on a device in host memory (tests/hostdevice.py): every request is answered once with its
-own result under each policy (GpuPolicy), batches form while the device computes and need no padding, only a
-batch launched while another runs waits for its compute, requests one at a time keep to one stream slot,
-batches fill on the device with early copies, a failed launch fails its batch only, and a stop answers what
-is in flight, mid-fill too.
+own result under each policy (BatchPolicy's GPU keys), batches form while the device computes and need no
+padding, only a batch launched while another runs waits for its compute, requests one at a time keep to one
+stream slot, batches fill on the device with early copies, a failed launch fails its batch only, and a stop
+answers what is in flight, mid-fill too.
 
 The CUDA runtime is the only part replaced; sessions, rings, the batcher and the runner are the real ones. On a
 GPU, tests/gpu/test_pipeline_e2e.py runs the pipeline through a broker."""
@@ -20,8 +20,9 @@ import pytest
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.gpu_worker.batcher import Batcher, Take
+from shmbroker.gpu_worker.batching import BatchPolicy
 from shmbroker.gpu_worker.intake import ModelView
-from shmbroker.gpu_worker.pipeline import GpuPolicy, PipelineRunner
+from shmbroker.gpu_worker.pipeline import PipelineRunner
 from shmbroker.gpu_worker.sessions import WorkerSession
 from shmbroker.gpu_worker.streams import StreamSlot
 from shmbroker.gpu_worker.work import ModelCounters, Work
@@ -39,12 +40,12 @@ def session(tmp_path: Path) -> Iterator[tuple[WorkerSession, threading.Event]]:
 
 
 def _runner(device: HostDevice, streams: int,
-            policy: GpuPolicy | None = None) -> tuple[PipelineRunner, DoublingEngine, list[int]]:
+            policy: BatchPolicy | None = None) -> tuple[PipelineRunner, DoublingEngine, list[int]]:
     """A warm runner; the list gets the rows that each batch filled on the device (``_fill``) opened with."""
     engine = DoublingEngine(device)
     view = ModelView(0, "double", MAX_BATCH, engine.inputs, engine.outputs, 5000)
-    batcher: Batcher[Work] = Batcher(MAX_BATCH, 0, [], 256, idle_below=1)
-    runner = PipelineRunner(view, engine, batcher, ModelCounters(), streams, policy=policy or GpuPolicy())
+    batcher: Batcher[Work] = Batcher(policy or _policy())
+    runner = PipelineRunner(view, engine, batcher, ModelCounters(), streams)
     runner.warm_up()
     engine.batches.clear()
     filled: list[int] = []
@@ -56,6 +57,11 @@ def _runner(device: HostDevice, streams: int,
 
     runner._fill = counting_fill  # type: ignore[method-assign]
     return runner, engine, filled
+
+
+def _policy(**gpu: bool) -> BatchPolicy:
+    """Idle dispatch with no delay, and the given GPU keys."""
+    return BatchPolicy(MAX_BATCH, 0, (), 256, "idle", executors=1, **gpu)
 
 
 def _answered(session: WorkerSession, slot: int) -> bool:
@@ -82,9 +88,9 @@ def _trickle(runner: PipelineRunner, session: WorkerSession, device: HostDevice,
 
 
 POLICIES = {
-    "default": GpuPolicy(), "shared": GpuPolicy(serial_compute=False),
-    "off": GpuPolicy(fill_while_busy=False, trim_to_sizes=False),
-    "early": GpuPolicy(early_copies=True), "early-shared": GpuPolicy(early_copies=True, serial_compute=False),
+    "default": _policy(), "shared": _policy(serial_compute=False),
+    "off": _policy(fill_while_busy=False, trim_to_sizes=False),
+    "early": _policy(early_copies=True), "early-shared": _policy(early_copies=True, serial_compute=False),
 }
 
 
@@ -115,7 +121,7 @@ def test_every_request_gets_its_own_result(host_device: HostDevice, session: tup
 def test_while_a_batch_computes_the_next_takes_a_size_that_needs_no_padding(
         host_device: HostDevice, session: tuple[WorkerSession, threading.Event]) -> None:
     ws, all_answered = session
-    runner, engine, _ = _runner(host_device, 2, GpuPolicy(fill_while_busy=False))
+    runner, engine, _ = _runner(host_device, 2, _policy(fill_while_busy=False))
     runner.start()
     try:
         _trickle(runner, ws, host_device)
@@ -255,7 +261,7 @@ def test_a_stop_while_a_batch_fills_answers_every_request(host_device: HostDevic
                                                           session: tuple[WorkerSession, threading.Event]) -> None:
     ws, all_answered = session
     host_device.stall_s = 1.0  # the first batch computes long enough for the next to be filling at the stop
-    runner, _, filled = _runner(host_device, 2, GpuPolicy(early_copies=True))
+    runner, _, filled = _runner(host_device, 2, _policy(early_copies=True))
     runner.start()
     for slot in range(3):
         runner.batcher.put(ring_work(ws, slot, np.ones((1, 4), np.float32)), wake=not runner.cheap)

@@ -10,6 +10,7 @@ import numpy as np
 
 from shmbroker.gpu_worker import model_source
 from shmbroker.gpu_worker.batcher import Batcher
+from shmbroker.gpu_worker.batching import BatchPolicy
 from shmbroker.gpu_worker.engines import load_engine
 from shmbroker.gpu_worker.engines.base import IOSpec
 from shmbroker.gpu_worker.intake import ModelView
@@ -22,7 +23,7 @@ from tests.conftest import ring_session, ring_work
 def tiny_runner() -> ModelRunner:
     engine = load_engine("onnxruntime", model_source.resolve("builtin:tiny"), device="cpu", intra_op_threads=1)
     view = ModelView(0, "tiny", 8, engine.inputs, engine.outputs, 500)
-    batcher: Batcher[Work] = Batcher(8, 0, [], 64)
+    batcher: Batcher[Work] = Batcher(BatchPolicy(8, 0, (), 64, "triton"))
     return ModelRunner(view, engine, batcher, ModelCounters())
 
 
@@ -68,7 +69,7 @@ class _BothAtOnce:
 def test_two_instances_run_two_batches_at_once_each_from_its_own_inputs(tmp_path: Path) -> None:
     engine = _BothAtOnce()
     view = ModelView(0, "double", 2, engine.inputs, engine.outputs, 5000)
-    batcher: Batcher[Work] = Batcher(2, 0, [], 64)
+    batcher: Batcher[Work] = Batcher(BatchPolicy(2, 0, (), 64, "triton"))
     runner = ModelRunner(view, engine, batcher, ModelCounters(), instances=2)
     with ring_session(tmp_path) as (session, all_answered):
         xs = [np.full((1, 4), 10.0 * (slot + 1), np.float32) for slot in range(4)]
@@ -109,7 +110,7 @@ def test_a_batch_that_runs_alone_uses_every_instances_threads(tmp_path: Path) ->
     release = threading.Event()
     lone, own = _Recording("lone", runs, release), _Recording("own", runs)
     view = ModelView(0, "double", 1, own.inputs, own.outputs, 5000)
-    batcher: Batcher[Work] = Batcher(1, 0, [], 64)
+    batcher: Batcher[Work] = Batcher(BatchPolicy(1, 0, (), 64, "triton"))
     runner = ModelRunner(view, own, batcher, ModelCounters(), instances=2, lone=lone)
     with ring_session(tmp_path) as (session, all_answered):
         session.in_flight.difference_update({2, 3})

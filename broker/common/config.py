@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from shmbroker.broker.common import batchrules
 from shmbroker.broker.common.engines import choices_text, engine_table
 from shmbroker.broker.common.protocol import MAX_SLOTS
 
@@ -80,9 +81,10 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: str = "onnxruntime"  # a name of the engine table (broker/common/engines.py)
     max_batch: Annotated[int, Meta(ge=1, le=4096)] = 8
     max_queue_delay_us: Annotated[int, Meta(ge=0, le=10_000_000)] = 1000
-    # a batch leaves at once, without max_queue_delay_us, while an engine instance (CPU) or the GPU is idle;
-    # false: every batch waits by Triton's rule (bench/RESULTS.md#idle-dispatch)
-    idle_dispatch: bool = True
+    # a name of the batching-rule table (broker/common/batchrules.py): "idle", a batch leaves at once, without
+    # max_queue_delay_us, while an engine instance (CPU) or the GPU is idle; "triton", every batch waits by
+    # Triton's rule (bench/RESULTS.md#idle-dispatch)
+    batching: str = batchrules.DEFAULT
     preferred_batch_sizes: list[Annotated[int, Meta(ge=1, le=4096)]] = msgspec.field(default_factory=list)
     max_queue_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 256
     timeout_ms: Ms = 500
@@ -153,6 +155,7 @@ def _pretty(err: str, prefix: str = "") -> str:
 
 def parse(data: dict[str, object], source: str = "<dict>") -> Config:
     """Validate a parsed TOML document; raise ConfigError naming the key and the expectation."""
+    _check_replaced(data, source)
     try:
         cfg = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
@@ -169,6 +172,17 @@ def parse(data: dict[str, object], source: str = "<dict>") -> Config:
     return cfg
 
 
+def _check_replaced(data: dict[str, object], source: str) -> None:
+    """A key that a newer one replaced gets an error that names the new key and the value to write."""
+    models = data.get("models")
+    for name, section in models.items() if isinstance(models, dict) else ():
+        if isinstance(section, dict) and "idle_dispatch" in section:
+            old = section["idle_dispatch"]
+            value = {True: '"idle"', False: '"triton"'}.get(old, '"idle" (for true) or "triton" (for false)')
+            raise ConfigError(f"{source}: key 'models.{name}.idle_dispatch': replaced by models.{name}.batching; "
+                              f"write batching = {value}")
+
+
 def _check(cfg: Config, source: str) -> None:
     if not cfg.models:
         raise ConfigError(f"{source}: key 'models': expected at least one [models.NAME] table")
@@ -178,6 +192,9 @@ def _check(cfg: Config, source: str) -> None:
         if m.engine not in engine_table():
             raise ConfigError(f"{source}: key 'models.{name}.engine': unknown engine {m.engine!r}: expected one of "
                               f"{choices_text()}")
+        if m.batching not in batchrules.rule_table():
+            raise ConfigError(f"{source}: key 'models.{name}.batching': unknown batching rule {m.batching!r}: "
+                              f"expected one of {batchrules.choices_text()}")
         if m.engine == "inductor" and m.fp16:
             raise ConfigError(f"{source}: key 'models.{name}.fp16': an inductor package carries its own precision; "
                               "drop the key and build the package with shmbroker build --precision fp16")
