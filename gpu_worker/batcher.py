@@ -78,10 +78,6 @@ class Batcher(Generic[E]):
         # the batch sizes the engine runs without padding (empty: every size); while a batch of this batcher runs,
         # one that is not full takes the largest of these that its rows reach, and the rest wait (``device_ready``)
         self._fits: list[int] = []
-        # while a batch of this batcher runs: how many rows the next batch can copy in before the device runs out
-        # of work (None: no bound), and the fewest rows it takes all the same (``trim_to_copies``)
-        self._rows_in_time: Callable[[float], int | None] | None = None
-        self._min_rows = policy.min_rows
         self._waiters = 0  # threads asleep in ``take`` or ``take_more``
         self._filling = 0  # while the runner waits in ``take_more``: the rows that wake it
         # a batch filling on the device (``take_more``) opens by the delay alone; the hold says when it closes
@@ -94,16 +90,12 @@ class Batcher(Generic[E]):
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
 
-    def device_ready(self, sizes: Sequence[int], rows_in_time: Callable[[float], int | None] | None) -> None:
+    def device_ready(self, sizes: Sequence[int]) -> None:
         """The device runner, once warm (or started without warm-up), says what bounds a batch formed while
         another of the model runs: ``sizes``, the batch sizes its engine prepared (empty: every size; used with
-        ``trim_to_sizes``), and ``rows_in_time(now)``, how many rows a batch launched then can copy in before
-        the device runs out of launched work (None: no bound; used with ``trim_to_copies``, not with early
-        copies). Called once, before batches run."""
+        ``trim_to_sizes``). Called once, before batches run."""
         with self._cond:
             self._fits = sorted(sizes) if self.policy.trim_to_sizes else []
-            copies = self.policy.fill_while_busy and self.policy.trim_to_copies and not self.early
-            self._rows_in_time = rows_in_time if copies else None
 
     def __len__(self) -> int:
         return len(self._q)
@@ -302,14 +294,8 @@ class Batcher(Generic[E]):
 
     def _pop_batch(self) -> list[E]:
         target = self.rule.size(self._items)
-        capped = False
-        if self._running and self._rows_in_time is not None:
-            # rows whose copies would outlast the device's work leave it idle: they wait for the next batch
-            in_time = self._rows_in_time(time.monotonic())
-            if in_time is not None and in_time < min(target, self._items):
-                target, capped = max(self._min_rows, in_time), True
-        if self._fits and self._running and (capped or self._items < target):
-            target = max((f for f in self._fits if f <= min(target, self._items)), default=target)
+        if self._fits and self._running and self._items < target:
+            target = max((f for f in self._fits if f <= self._items), default=target)
         batch = self._pop_rows(target)
         if not batch and self._q:  # never starve a request that alone exceeds a preferred size
             batch.append(self._q.popleft())

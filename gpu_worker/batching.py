@@ -21,7 +21,7 @@ class BatchPolicy:
 
     ``executors``: the batches of the model that run at once without waiting for each other (a host engine's
     instances; 1 for a device, whose stream slots share it). The GPU keys (``serial_compute`` to
-    ``trim_to_copies``, docs/ARCHITECTURE.md, Configuration) matter only to a device runner.
+    ``early_copies``, docs/ARCHITECTURE.md, Configuration) matter only to a device runner.
     """
 
     max_batch: int
@@ -34,24 +34,18 @@ class BatchPolicy:
     fill_while_busy: bool = True
     trim_to_sizes: bool = True
     early_copies: bool = False
-    trim_to_copies: bool = True
 
     @classmethod
     def from_config(cls, mc: ModelSection, device: bool) -> BatchPolicy:
         """The policy of a model's config section; ``device``: its engine runs on a GPU (one executor)."""
         return cls(mc.max_batch, mc.max_queue_delay_us, tuple(mc.preferred_batch_sizes), mc.max_queue_size,
                    mc.batching, 1 if device else mc.instances, mc.serial_compute, mc.fill_while_busy,
-                   mc.trim_to_sizes, mc.early_copies, mc.trim_to_copies)
+                   mc.trim_to_sizes, mc.early_copies)
 
     @property
     def early(self) -> bool:
         """A batch opened while the device computes has its rows copied to the device as they come."""
         return self.fill_while_busy and self.early_copies
-
-    @property
-    def min_rows(self) -> int:
-        """The fewest rows a batch trimmed to its copies in time (``trim_to_copies``) takes all the same."""
-        return max(1, self.max_batch // 4)
 
     def new_rule(self) -> BatchingRule:
         """The rule ``batching`` names, from the table, made for this policy."""

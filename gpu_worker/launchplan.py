@@ -71,14 +71,6 @@ class LaunchPlan:
             self._busy_until = min(self._busy_until, now + self._pending_s)
             return self._hold()
 
-    def rows_in_time(self, now: float) -> int | None:
-        """How many rows a batch launched at ``now`` can issue and copy in before the device is expected to run
-        out of launched work; None while no lead is measured or the device is expected idle."""
-        with self._lock:
-            if self.lead_per_row_s is None or self._busy_until <= now:
-                return None
-            return int((self._busy_until - now) / self.lead_per_row_s)
-
     def _hold(self) -> float:
         if self.lead_per_row_s is None or self._busy_until == 0.0:
             return 0.0

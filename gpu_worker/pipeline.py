@@ -13,9 +13,8 @@ slot; (6) record the end event and hand the slot to the completion thread (a lon
 spinning intake thread launched stays with it: it polls the end in its spin and answers the batch itself,
 ``end_seen``, until it stops spinning or another batch launches).
 Completion thread: (7) wait for each batch's end event in launch order (polling a lone short batch's,
-sleeping in the driver on any other), return the stream slot (the device is done with it: the next batch's
-copies need not wait for the answers), mark its slots DONE and send DONE (``runner.complete_ok``, the same
-code the CPU runner uses), feed the stage histograms.
+sleeping in the driver on any other), mark its slots DONE and send DONE (``runner.complete_ok``, the same
+code the CPU runner uses), return the stream slot, feed the stage histograms.
 
 Nothing on this path allocates device or page-locked memory: the contexts' buffers are made at start and
 the rings are registered once per session (``WorkerSession.ensure_registered``).
@@ -152,8 +151,8 @@ class PipelineRunner(BatchRunner):
         super().start()
 
     def _tell_batcher(self, sizes: list[int]) -> None:
-        """The batcher's device bounds: the engine's prepared batch sizes and the launch plan's rows in time."""
-        self.batcher.device_ready(sizes, None if self.plan is None else self.plan.rows_in_time)
+        """The batcher's device bound: the engine's prepared batch sizes."""
+        self.batcher.device_ready(sizes)
         self._told_batcher = True
 
     def stop(self) -> None:
@@ -365,8 +364,8 @@ class PipelineRunner(BatchRunner):
         self._finished(slot)
 
     def _finished(self, slot: StreamSlot, h2d_ms: float | None = None) -> None:
-        """A slot's batch has ended on the device (or failed): the plan and the batcher know one batch fewer runs,
-        and the slot is free. ``h2d_ms``: its H2D time, if it ran."""
+        """A slot's batch is answered (or failed): the plan and the batcher know one batch fewer runs, and the
+        slot is free. ``h2d_ms``: its H2D time, if it ran."""
         if self.plan is not None:
             # a filled batch's H2D stage spans its filling: no sample of the lead
             lead = None if h2d_ms is None or slot.filled else slot.issue_s + h2d_ms / 1e3
@@ -386,8 +385,8 @@ class PipelineRunner(BatchRunner):
             self._complete(slot, ended=False)
 
     def _complete(self, slot: StreamSlot, *, ended: bool) -> None:
-        """Once the slot's batch has ended on the device (waiting for that unless ``ended``): free the slot,
-        answer the batch, record its stages."""
+        """Answer the slot's batch once it has ended on the device (waiting for that unless ``ended``), free
+        the slot, record its stages."""
         works, slot.works = slot.works, []
         if not ended:
             try:
@@ -396,12 +395,13 @@ class PipelineRunner(BatchRunner):
                 self.fail(works, exc)
                 self._finished(slot)
                 return
-        stages, launched = self._stage_ms(slot), slot.launched  # read before the slot is reused
-        # The device is done with the slot's buffers and events: free it before answering, so that the next
-        # batch's copies never wait for these answers (bench/RESULTS.md#the-host-paths-ceiling)
-        self._finished(slot, None if stages is None else stages[0])
+        # answers first, the slot after: freed first, it lets the runner thread issue the next batch's copies
+        # before these answers leave, which doubled the answer stage (bench/RESULTS.md#the-host-paths-ceiling)
         complete_ok(self.codec, self.counters, works)
-        self._record_stages(stages, time.monotonic() - launched)
+        answered = time.monotonic()
+        stages, launched = self._stage_ms(slot), slot.launched  # read before the slot is reused
+        self._finished(slot, None if stages is None else stages[0])
+        self._record_stages(stages, answered - launched)
 
     def _wait_end(self, slot: StreamSlot) -> None:
         """Return once the slot's batch has ended on the device. A lone batch expected within

@@ -513,7 +513,7 @@ def test_a_new_entry_with_the_soonest_deadline_wakes_the_taker() -> None:
 
 def test_while_a_batch_runs_one_that_is_not_full_takes_the_largest_size_that_needs_no_padding() -> None:
     b: Batcher[Queued[str]] = Batcher(BatchPolicy(8, 0, (), 100, "idle", executors=1))
-    b.device_ready([1, 2, 4, 8], None)
+    b.device_ready([1, 2, 4, 8])
     for name in "abcdef":
         b.put(_entry(name))
     idle = b.take_now()  # nothing runs: all six leave at once, padded to 8 by the engine
@@ -525,36 +525,14 @@ def test_while_a_batch_runs_one_that_is_not_full_takes_the_largest_size_that_nee
     assert len(b) == 2
 
 
-def test_while_a_batch_runs_one_takes_only_the_rows_it_can_copy_in_before_the_device_runs_out() -> None:
-    b: Batcher[Queued[str]] = Batcher(BatchPolicy(8, 0, (), 100, "idle", executors=1))  # at least 8 // 4 rows
-    in_time: list[int | None] = [5]
-    b.device_ready([1, 2, 4, 6, 8], lambda now: in_time[0])
-    for name in "abcdefgh":
-        b.put(_entry(name))
-    idle = b.take_now()  # nothing runs: no bound, a full batch
-    assert idle is not None and _names(idle.batch) == list("abcdefgh")
-    for name in "ijklmnop":
-        b.put(_entry(name))
-    busy = b.take_now()  # five rows copy in time, and 4 is the largest prepared size within them
-    assert busy is not None and _names(busy.batch) == list("ijkl")
-    in_time[0] = 0  # the device is about to run out: the fewest rows still leave
-    late = b.take_now()
-    assert late is not None and _names(late.batch) == list("mn")
-    in_time[0] = None  # no estimate: no bound
-    rest = b.take_now()
-    assert rest is not None and _names(rest.batch) == list("op")
-
-
-@pytest.mark.parametrize("gpu", [{"trim_to_sizes": False, "trim_to_copies": False}, {"fill_while_busy": False,
-                                                                                   "trim_to_sizes": False}])
-def test_the_device_bounds_apply_only_as_the_policy_says(gpu: dict[str, bool]) -> None:
-    b: Batcher[Queued[str]] = Batcher(BatchPolicy(8, 0, (), 100, "idle", executors=1, **gpu))
-    b.device_ready([1, 2, 4, 8], lambda now: 3)
+def test_the_prepared_sizes_apply_only_as_the_policy_says() -> None:
+    b: Batcher[Queued[str]] = Batcher(BatchPolicy(8, 0, (), 100, "idle", executors=1, trim_to_sizes=False))
+    b.device_ready([1, 2, 4, 8])
     b.put(_entry("running"))
     assert b.take_now() is not None
     for name in "abcdef":
         b.put(_entry(name))
-    busy = b.take_now()  # neither trimmed to a prepared size nor to the rows in time: all six
+    busy = b.take_now()  # not trimmed to a prepared size: all six
     assert busy is not None and _names(busy.batch) == list("abcdef")
 
 

@@ -86,12 +86,11 @@ def test_the_configs_rule_choices_are_the_tables_names() -> None:
 
 def test_the_policy_is_the_models_config_section() -> None:
     mc = _model(batching="triton", preferred_batch_sizes=[2, 4], max_queue_size=9, instances=3,
-                serial_compute=False, fill_while_busy=True, trim_to_sizes=False, early_copies=True,
-                trim_to_copies=False)
+                serial_compute=False, fill_while_busy=True, trim_to_sizes=False, early_copies=True)
     host, device = BatchPolicy.from_config(mc, device=False), BatchPolicy.from_config(mc, device=True)
-    assert host == BatchPolicy(8, LONG_US, (2, 4), 9, "triton", 3, False, True, False, True, False)
+    assert host == BatchPolicy(8, LONG_US, (2, 4), 9, "triton", 3, False, True, False, True)
     assert device.executors == 1  # stream slots share one device
-    assert (host.early, host.min_rows) == (True, 2)
+    assert host.early
     assert type(Batcher(host).rule) is TritonRule
     assert type(Batcher(BatchPolicy.from_config(_model(), device=True)).rule) is IdleDispatch
 

@@ -70,13 +70,3 @@ def test_a_primed_lead_holds_before_any_batch_ended_and_lead_rows_scale_it() -> 
     _, hold = plan.launched(0.0, 100)
     assert hold == pytest.approx(0.2 - 0.01)
 
-
-def test_rows_in_time_are_the_rows_whose_lead_ends_before_the_launched_work() -> None:
-    plan = _plan()
-    assert plan.rows_in_time(0.0) is None  # no lead measured yet
-    e, _ = plan.launched(0.0, 10)
-    plan.ended(0.01, e, 10 * MS, 10, running=1)  # lead 1 ms a row
-    plan.launched(1.0, 30)  # the device computes until 1.03 s
-    assert plan.rows_in_time(1.0) == 30
-    assert plan.rows_in_time(1.02) == 10
-    assert plan.rows_in_time(1.05) is None  # expected idle: no bound

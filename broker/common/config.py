@@ -105,11 +105,6 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # while another batch runs, a batch takes the largest batch size the engine prepared (a CUDA graph's) that its
     # rows reach and leaves the rest for the next, instead of padding to the next size
     trim_to_sizes: bool = True
-    # with fill_while_busy: while another batch computes, a batch takes no more rows than it can copy in before
-    # the device runs out of launched work (a quarter of max_batch at least); the rest wait for the next batch,
-    # so a small batch is never followed by copies that leave the device idle
-    # (bench/RESULTS.md#the-host-paths-ceiling)
-    trim_to_copies: bool = True
     # with fill_while_busy: a batch opens by the delay alone and its rows are copied to the device as they come, so
     # it can fill until the device needs it, less one chunk's copies instead of a whole batch's
     early_copies: bool = False
