@@ -11,13 +11,10 @@ inference runtime. Adding an engine is one module (a class with ``from_config``,
 from __future__ import annotations
 
 import functools
-import importlib
-import logging
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Any
 
-log = logging.getLogger(__name__)
+from shmbroker.broker.common.tables import choices, load_target, with_plugins
 
 ENTRY_POINT_GROUP = "shmbroker.engines"
 
@@ -35,11 +32,7 @@ class EngineEntry:
 
     def load_class(self) -> Any:
         """The engine class; ImportError (with the engine named) when its module or class is missing."""
-        module, _, attr = self.target.partition(":")
-        cls = getattr(importlib.import_module(module), attr, None)
-        if cls is None:
-            raise ImportError(f"engine {self.name!r}: {module} has no {attr}")
-        return cls
+        return load_target(self, "engine")
 
 
 _E = "shmbroker.gpu_worker.engines"
@@ -56,25 +49,10 @@ BUILTIN: tuple[EngineEntry, ...] = (
                 "benchmarks of the host path: an ONNX file's IO, a fixed device time per batch, no model"),
 )
 
-BUILTIN_NAMES = frozenset(e.name for e in BUILTIN)
-
-
 @functools.cache
 def engine_table() -> dict[str, EngineEntry]:
     """The built-in engines, then those of installed plugins (a plugin cannot replace a built-in one)."""
-    table = {e.name: e for e in BUILTIN}
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            entry = ep.load()
-        except Exception as exc:  # noqa: BLE001 - a broken plugin is logged and left out, never fatal
-            log.error("engine plugin %s (%s) cannot be loaded: %s", ep.name, ep.value, exc)
-            continue
-        if not isinstance(entry, EngineEntry) or entry.name != ep.name or entry.name in BUILTIN_NAMES:
-            log.error("engine plugin %s (%s) is not an EngineEntry of that name, or shadows a built-in engine",
-                      ep.name, ep.value)
-            continue
-        table[entry.name] = entry
-    return table
+    return with_plugins(BUILTIN, ENTRY_POINT_GROUP, EngineEntry, "engine")
 
 
 def gpu_engines() -> tuple[str, ...]:
@@ -89,4 +67,4 @@ def built_engines() -> tuple[str, ...]:
 
 def choices_text() -> str:
     """The engine names as an error message lists them."""
-    return ", ".join(repr(n) for n in engine_table())
+    return choices(engine_table())
