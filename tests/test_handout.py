@@ -197,6 +197,7 @@ def test_a_connection_closed_unanswered_is_asked_again(tmp_path: Path) -> None:
         server.start()
         with pytest.raises(HandoutError, match="the session is gone or the token is wrong"):
             fetch_ring(tmp_path, LAYOUT.session_id, TOKEN, 30)
+        server.join(30)  # it marks the answer served after sending it, which the fetch may see first
     assert served.is_set()
 
 
