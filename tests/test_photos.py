@@ -223,3 +223,14 @@ def test_cli_infer_sends_the_files(photo_broker: RunningBroker, tmp_path: Path) 
                        check=True)
     spec = json.loads(m.stdout)["models"][0]["inputs"][0]
     assert spec["kind"] == "image" and spec["max_bytes"] == MAX_BYTES
+
+
+def test_the_health_probe_of_a_model_of_images_passes(photo_broker: RunningBroker) -> None:
+    """The prober sends a model of images a small JPEG (not zeros, which no decoder takes)."""
+    import threading
+
+    from shmbroker.broker.ops.prober_process import ProbeLoop
+
+    loop = ProbeLoop(str(photo_broker.runtime_dir), ["nsfw_photo"], 1.0, 30.0, threading.Event())
+    with _client(photo_broker) as c:
+        assert loop._probe(c, "nsfw_photo") == ""
