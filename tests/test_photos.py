@@ -22,8 +22,6 @@ from shmbroker.client import AsyncClient, BadImage, BadInput, Client
 from tests import photoset
 from tests.conftest import CLI, REPO, RunningBroker, start_broker
 
-pytest.importorskip("simplejpeg", reason="the [serve] extra's JPEG decoder")
-
 MAX_BYTES = 4 << 20
 MAX_PIXELS = 20_000_000
 PHOTO_MODELS = f"""
