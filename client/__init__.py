@@ -3,6 +3,7 @@
 from shmbroker.client.aio import AsyncClient, AsyncRequest
 from shmbroker.client.client import Client
 from shmbroker.client.errors import (
+    BadImage,
     BadInput,
     ClientClosed,
     HandshakeError,
@@ -19,6 +20,7 @@ from shmbroker.client.request import Request
 __all__ = [
     "AsyncClient",
     "AsyncRequest",
+    "BadImage",
     "BadInput",
     "Client",
     "ClientClosed",

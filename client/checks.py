@@ -81,6 +81,41 @@ def checked_arrays(plan: ModelPlan, inputs: object, max_items: int,
     return out
 
 
+IMAGE_TYPES = (bytes, bytearray, memoryview)
+
+
+def image_rows(plan: ModelPlan, inputs: object) -> np.ndarray:
+    """The encoded images of a request to a model of images (a bytes-like object, or a list, tuple or 1-D object
+    array of them; or that in a dict under the input's name) as an object array of bytes-likes, one a row, each
+    checked against the model's ``max_image_bytes``; BadInput names the row. Nothing is decoded here."""
+    name = plan.info.inputs[0].name
+    if isinstance(inputs, Mapping):
+        if set(inputs) != {name}:
+            raise BadInput(f"inputs: model {plan.info.name!r} takes one input, {name!r}: expected the images, or "
+                           f"{{{name!r}: images}}, got keys {sorted(inputs, key=repr)}")
+        inputs = inputs[name]
+    if isinstance(inputs, IMAGE_TYPES):
+        rows: list[object] = [inputs]
+    elif isinstance(inputs, list | tuple) or (isinstance(inputs, np.ndarray) and inputs.dtype == object
+                                               and inputs.ndim == 1):
+        rows = list(inputs)
+    else:
+        raise BadInput(f"inputs: model {plan.info.name!r} takes encoded images (JPEG or PNG): expected bytes, or a "
+                       f"list of bytes, one image each (the file's bytes as they are), got {_kind(inputs)}")
+    check_rows(plan, len(rows), "inputs (images)", plan.info.max_batch)
+    limit = plan.image_max_bytes
+    for k, row in enumerate(rows):
+        if not isinstance(row, IMAGE_TYPES):
+            raise BadInput(f"inputs[{k}]: expected the bytes of an encoded image, got {_kind(row)}")
+        n = memoryview(row).nbytes
+        if not 1 <= n <= limit:
+            raise BadInput(f"inputs[{k}]: an image of {n} bytes; model {plan.info.name!r} takes 1..{limit} bytes a "
+                           f"row (the broker's models.{plan.info.name}.max_image_bytes)", "BAD_SIZE")
+    out = np.empty(len(rows), dtype=object)
+    out[:] = [memoryview(r).cast("B") if isinstance(r, memoryview) else r for r in rows]
+    return out
+
+
 def _array(value: object, plan: ModelPlan, k: int, field: str) -> np.ndarray:
     """``value`` as an array, or BadInput naming ``field``.
 

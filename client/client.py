@@ -16,7 +16,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Self, TypeVar
 
@@ -26,8 +26,9 @@ from zmq.utils import monitor as zmq_monitor
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.ring import RingError
-from shmbroker.client.checks import FORKS, MAX_ITEMS_SETTING, check_rows, check_timeout, checked_arrays
+from shmbroker.client.checks import FORKS, MAX_ITEMS_SETTING, check_rows, check_timeout, checked_arrays, image_rows
 from shmbroker.client.errors import (
+    BadInput,
     ClientClosed,
     RequestError,
     RequestTimeout,
@@ -56,7 +57,9 @@ from shmbroker.client.slots import Pending, Slots
 
 log = logging.getLogger(__name__)
 
-Inputs = np.ndarray | Mapping[str, np.ndarray]
+# arrays; for a model of encoded images (ModelInfo input kind "image"), the bytes of one image or a sequence of them
+ImageBytes = bytes | bytearray | memoryview
+Inputs = np.ndarray | Mapping[str, np.ndarray] | ImageBytes | Sequence[ImageBytes]
 __all__ = ["CLOSE_WAIT_S", "Callback", "Client", "Inputs", "Outputs"]  # what other modules import from here
 T = TypeVar("T")
 LEAD_HORIZON_S = 3600.0  # a Future's result() without a timeout leads this long at a time, then waits as usual
@@ -192,6 +195,9 @@ class Client:
         when the request is answered. ``rows`` is at most a slot's (``max_items``): BadInput names the setting.
         """
         plan = self._plan(model)
+        if plan.image_max_bytes:
+            raise BadInput(f"model {model!r} takes encoded images, which have no fixed place in a slot: send them "
+                           "with infer(), submit() or call()")
         check_timeout(timeout)
         check_rows(plan, rows, "rows", self.max_items, self.max_items_setting)
         slot = self._slots.acquire(timeout, self._receiver.on_io_thread)
@@ -320,6 +326,8 @@ class Client:
         """Take a slot and copy the checked inputs (of at most a slot's rows) into it: (slot, the slot's views)."""
         slot = self._slots.acquire(timeout, self._receiver.on_io_thread)
         views = self._views_for(plan, slot, arrays[0].shape[0])
+        if plan.image_max_bytes:
+            return slot, plan.image_views(self.segment, slot, arrays[0], views.outs)
         for view, arr in zip(views.ins, arrays, strict=True):
             view[...] = arr  # one copy into the slot; the shape and dtype were checked in _arrays
         return slot, views
@@ -338,6 +346,8 @@ class Client:
         if (type(inputs) is np.ndarray and len(specs) == 1 and inputs.dtype == plan.in_dtypes[0]
                 and inputs.shape[1:] == plan.in_item_shapes[0] and 1 <= inputs.shape[0] <= plan.info.max_batch):
             return [inputs]  # the common case, checked in one go; anything else gets the checks that explain
+        if plan.image_max_bytes:
+            return [image_rows(plan, inputs)]
         # up to max_batch rows: a request of more rows than a slot holds is sent as parts
         return checked_arrays(plan, inputs, plan.info.max_batch)
 
@@ -456,8 +466,11 @@ class Client:
         if not self._slots.open:
             raise ClientClosed("the client was closed before every part of the request was sent")
         views = self._views_for(plan, slot, end - first)
-        for view, arr in zip(views.ins, arrays, strict=True):
-            view[...] = arr[first:end]
+        if plan.image_max_bytes:
+            views = plan.image_views(self.segment, slot, arrays[0][first:end], views.outs)
+        else:
+            for view, arr in zip(views.ins, arrays, strict=True):
+                view[...] = arr[first:end]
         self._send(slot, plan, views, timeout, functools.partial(self._part_answered, plan, slot, views, answered),
                    False)
 

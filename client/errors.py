@@ -58,6 +58,13 @@ class BadInput(RequestError, ValueError):
     code = "BAD_INPUT"
 
 
+class BadImage(BadInput):
+    """A row of a request of encoded images could not be used: not a JPEG or PNG, corrupt, truncated, or over a
+    limit of the model (``max_image_pixels``); the message names the row and why. Other requests are unaffected."""
+
+    code = "BAD_IMAGE"
+
+
 class UnknownModel(RequestError, KeyError):
     code = "UNKNOWN_MODEL"
 
@@ -89,6 +96,8 @@ def from_status(status: int, message: str) -> ShmBrokerError:
         return UnknownModel(message)
     if st is Status.WORKER_DIED or st is Status.SHUTTING_DOWN:
         return WorkerDied(message, st.name)
+    if st is Status.BAD_IMAGE:
+        return BadImage(message)
     if st in _BAD_INPUT:
         return BadInput(message, st.name)
     return RequestError(message, st.name)

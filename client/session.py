@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -42,30 +43,53 @@ class ModelPlan:
     out_dtypes: list[np.dtype[Any]]
     out_item_shapes: list[tuple[int, ...]]
     _layouts: dict[int, P.CanonicalRows]
+    image_max_bytes: int = 0  # a model of encoded images (one input of kind IMAGE): a row's most bytes; else 0
 
     @classmethod
     def of(cls, info: P.ModelInfo) -> ModelPlan:
+        images = [s.max_bytes for s in info.inputs if s.kind == P.InputKind.IMAGE]
+        # an image input's item shape (-1,) matches no array's: arrays take the checks, which take its bytes
         return cls(
-            info, [np.dtype(s.dtype) for s in info.inputs], [tuple(s.shape[1:]) for s in info.inputs],
+            info, [np.dtype(s.dtype) for s in info.inputs],
+            [(-1,) if s.kind == P.InputKind.IMAGE else tuple(s.shape[1:]) for s in info.inputs],
             [np.dtype(s.dtype) for s in info.outputs], [tuple(s.shape[1:]) for s in info.outputs], {},
+            images[0] if len(info.inputs) == 1 and images else 0,
         )
 
     def layout(self, rows: int) -> P.CanonicalRows:
         """The canonical layout of a request of ``rows`` rows, built at its first use."""
         lay = self._layouts.get(rows)
         if lay is None:
+            ins = [(np.dtype(np.uint8), ())] if self.image_max_bytes else list(zip(self.in_dtypes,
+                                                                                   self.in_item_shapes, strict=True))
             lay = self._layouts[rows] = P.CanonicalRows.of(
-                list(zip(self.in_dtypes, self.in_item_shapes, strict=True)),
+                ins,
                 list(zip(self.out_dtypes, self.out_item_shapes, strict=True)), rows)
         return lay
+
+    def image_views(self, segment: Segment, slot: int, images: np.ndarray, outs: tuple[np.ndarray, ...]) -> SlotViews:
+        """Write ``images`` (encoded, one a row) into the slot's input region as PROTOCOL 5.4 lays them out: the
+        row table, then the images in order; the views of this one request, its descriptor its own."""
+        rows = len(images)
+        table, offsets = P.pack_image_table([len(b) for b in images])
+        region = segment.input_view(slot, 0, np.dtype(np.uint8), (segment.layout.in_capacity,))
+        region[: len(table)] = np.frombuffer(table, np.uint8)
+        for off, data in zip(offsets, images, strict=True):
+            region[off : off + len(data)] = np.frombuffer(data, np.uint8)
+        total = offsets[-1] + len(images[-1])
+        desc = P.TensorDesc(0, int(P.DType.UINT8), 0, total, (rows,))
+        lay = dataclasses.replace(self.layout(rows), in_descs=[desc], in_desc_bytes=P.pack_tensor(desc),
+                                  in_nbytes=[total])
+        return SlotViews(rows, lay, (), outs, segment)
 
     def input_offsets(self, rows: int) -> list[int]:
         return self.layout(rows).in_offsets
 
     def slot_views(self, segment: Segment, slot: int, rows: int) -> SlotViews:
         lay = self.layout(rows)
-        ins = tuple(segment.input_view(slot, off, dt, (rows, *shape))
-                    for off, dt, shape in zip(lay.in_offsets, self.in_dtypes, self.in_item_shapes, strict=True))
+        ins = () if self.image_max_bytes else tuple(  # images: image_views writes each request's own layout
+            segment.input_view(slot, off, dt, (rows, *shape))
+            for off, dt, shape in zip(lay.in_offsets, self.in_dtypes, self.in_item_shapes, strict=True))
         outs = tuple(segment.output_view(slot, d.offset, self.out_dtypes[d.index], d.shape) for d in lay.out_descs)
         return SlotViews(rows, lay, ins, outs, segment)
 

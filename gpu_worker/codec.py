@@ -30,6 +30,9 @@ class ModelCodec:
         # every row count the model takes, built once: intake and completion only look these up
         self.rows: dict[int, P.CanonicalRows] = {
             rows: P.CanonicalRows.of(ins, outs, rows) for rows in range(1, model.max_batch + 1)}
+        # what intake accepts by one compare: none for images, whose descriptors differ per request
+        image = model.photos is not None and model.photos.kind == P.InputKind.IMAGE
+        self.intake: dict[int, P.CanonicalRows] = {} if image else self.rows
 
     def done_ok(self, session_id: int, done: list[Work]) -> list[bytes]:
         """The frames of a DONE that reports these requests as OK, their outputs at the canonical offsets."""

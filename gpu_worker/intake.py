@@ -28,8 +28,22 @@ class Rejected(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class Photos:
+    """A model whose clients send images or frames (``models.NAME.input``), its limits and their settings."""
+
+    kind: str  # P.InputKind.IMAGE or FRAMES
+    max_bytes: int
+    max_pixels: int
+    preset: str
+
+    def setting(self, model: str, key: str) -> str:
+        return f"models.{model}.{key}"
+
+
+@dataclass(frozen=True, slots=True)
 class ModelView:
-    """What intake needs to know of a model served by this worker."""
+    """What intake needs to know of a model served by this worker. ``inputs`` are what clients send: the
+    engine's own, or for a model with ``photos`` the images or frames that its preset turns into them."""
 
     model_id: int
     name: str
@@ -37,6 +51,7 @@ class ModelView:
     inputs: list[IOSpec]
     outputs: list[IOSpec]
     timeout_ms: int
+    photos: Photos | None = None
 
 
 def out_layout(outputs: list[IOSpec], rows: int) -> tuple[list[int], int]:
@@ -60,6 +75,8 @@ def check_slot(session: WorkerSession, req: P.SubmitRequest) -> None:
 
 def check_tensors(session: WorkerSession, req: P.SubmitRequest, model: ModelView) -> int:
     """Validate each input descriptor; return the request's row count."""
+    if model.photos is not None and model.photos.kind == P.InputKind.IMAGE:
+        return check_images(session, req, model, model.photos)
     if len(req.tensors) != len(model.inputs):
         raise Rejected(
             P.Status.BAD_INPUT, f"model {model.name!r} takes {len(model.inputs)} inputs, got {len(req.tensors)}", True
@@ -108,6 +125,46 @@ def _check_one(session: WorkerSession, t: P.TensorDesc, spec: IOSpec, model: Mod
     except RingError as exc:
         raise Rejected(P.Status.BAD_SIZE, str(exc), True) from None
     return n
+
+
+def check_images(session: WorkerSession, req: P.SubmitRequest, model: ModelView, photos: Photos) -> int:
+    """An image input (PROTOCOL 5.4): one UINT8 descriptor of [rows], its span in the slot, its row table's
+    spans within it, and each row's length within ``max_image_bytes``; return the row count."""
+    field = f"inputs[{model.inputs[0].name!r}]"
+    if len(req.tensors) != 1 or req.tensors[0].index != 0:
+        raise Rejected(P.Status.BAD_INPUT, f"model {model.name!r} takes one input of images, got "
+                       f"{len(req.tensors)} descriptors", True)
+    t = req.tensors[0]
+    if t.dtype != P.DType.UINT8 or len(t.shape) != 1:
+        raise Rejected(P.Status.BAD_DTYPE, f"{field}: an image input is dtype code {int(P.DType.UINT8)} (uint8) "
+                       f"with shape [rows], got code {t.dtype} and shape {list(t.shape)}", True)
+    rows, limit = t.shape[0], min(model.max_batch, session.max_items)
+    if not 1 <= rows <= limit:
+        raise Rejected(P.Status.BAD_SHAPE, f"{field}.shape[0]: expected 1..{limit} rows, got {rows}", True)
+    try:
+        check_span(field, t.offset, t.nbytes, session.layout.in_capacity)
+    except RingError as exc:
+        raise Rejected(P.Status.BAD_SIZE, str(exc), True) from None
+    spans = image_spans(session, req.slot, t)
+    if isinstance(spans, str):
+        raise Rejected(P.Status.BAD_SIZE, f"{field}: {spans}", True)
+    for k, (_off, n) in enumerate(spans):
+        if not 1 <= n <= photos.max_bytes:
+            raise Rejected(P.Status.BAD_SIZE, f"{field} row {k}: {n} bytes; expected 1..{photos.max_bytes} "
+                           f"({photos.setting(model.name, 'max_image_bytes')})", True)
+    if out_layout(model.outputs, rows)[1] > session.layout.out_capacity:
+        raise Rejected(P.Status.BAD_SIZE, f"outputs of {rows} rows exceed the slot's output region", True)
+    return rows
+
+
+def image_spans(session: WorkerSession, slot: int, t: P.TensorDesc) -> list[tuple[int, int]] | str:
+    """The rows' (offset, length) within the image input ``t`` of a slot, read from its table and checked
+    (``protocol.image_spans``); ``t``'s own span was checked against the slot."""
+    base = session.layout.input_bases[slot] + t.offset
+    n_table = t.shape[0] * P.IMAGE_ROW.size
+    if n_table > t.nbytes:
+        return f"the row table of {t.shape[0]} rows needs {n_table} bytes; the input has {t.nbytes}"
+    return P.image_spans(session.segment.buf[base : base + n_table], t.shape[0], t.nbytes)
 
 
 def input_arrays(session: WorkerSession, req: P.SubmitRequest, model: ModelView) -> list[np.ndarray]:

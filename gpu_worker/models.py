@@ -7,13 +7,19 @@ import logging
 import time
 from typing import cast
 
+import numpy as np
+
+from shmbroker.broker.common import imaging
 from shmbroker.broker.common import protocol as P
-from shmbroker.broker.common.config import Config
+from shmbroker.broker.common.config import Config, ModelSection
 from shmbroker.gpu_worker import cuda, model_source
 from shmbroker.gpu_worker.batcher import Batcher
 from shmbroker.gpu_worker.batching import BatchPolicy
 from shmbroker.gpu_worker.engines import DeviceEngine, Engine, IOSpec, is_device_engine, load_engine
-from shmbroker.gpu_worker.intake import ModelView
+from shmbroker.gpu_worker.engines.base import EngineError
+from shmbroker.gpu_worker.intake import ModelView, Photos
+from shmbroker.gpu_worker.photorunner import PhotoRunner
+from shmbroker.gpu_worker.photos import Preprocessor, make_decoder
 from shmbroker.gpu_worker.pipeline import PipelineRunner
 from shmbroker.gpu_worker.runner import BatchRunner, ModelRunner
 from shmbroker.gpu_worker.warmup import prime
@@ -41,15 +47,56 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
     for model_id, (name, mc) in enumerate(cfg.models.items()):
         t0 = time.monotonic()
         engine = load_engine(mc.engine, model_source.resolve(cfg.model_path(name)), device=device, model=mc)
-        view = ModelView(model_id, name, mc.max_batch, engine.inputs, engine.outputs, mc.timeout_ms)
+        view = model_view(model_id, name, mc, engine)
         lone = lone_engine(cfg, name)
         batcher: Batcher[Work] = Batcher(BatchPolicy.from_config(mc, device=is_device_engine(engine)))
-        runner = make_runner(view, engine, batcher, mc.streams, mc.instances, lone)
+        if view.photos is not None:
+            runner: BatchRunner = photo_runner(view, engine, batcher, mc, lone)
+        else:
+            runner = make_runner(view, engine, batcher, mc.streams, mc.instances, lone)
         if mc.warmup:
             prime(runner)
         served[model_id] = ServedModel(view, engine, runner)
         log.info("model %s ready on %s in %.2f s", name, device, time.monotonic() - t0)
     return served
+
+
+def model_view(model_id: int, name: str, mc: ModelSection, engine: Engine) -> ModelView:
+    """The model as intake sees it: the engine's inputs, or the images or frames its preset turns into them."""
+    if mc.input == P.InputKind.TENSOR:
+        return ModelView(model_id, name, mc.max_batch, engine.inputs, engine.outputs, mc.timeout_ms)
+    if len(engine.inputs) != 1 or engine.inputs[0].dtype != np.float32:
+        raise EngineError(f"models.{name}.input = {mc.input!r}: a preset feeds one float32 input; the engine takes "
+                          f"{[(s.name, s.dtype.name) for s in engine.inputs]}")
+    if mc.input == P.InputKind.IMAGE:
+        wire = IOSpec("image", np.dtype(np.uint8), (-1,))
+    else:
+        wire = IOSpec("frames", np.dtype(np.uint8), (-1, *mc.frame_shape, 3))
+    photos = Photos(mc.input, mc.max_image_bytes, mc.max_image_pixels, mc.preprocess)
+    return ModelView(model_id, name, mc.max_batch, [wire], engine.outputs, mc.timeout_ms, photos)
+
+
+def photo_runner(view: ModelView, engine: Engine, batcher: Batcher[Work], mc: ModelSection,
+                 lone: Engine | None) -> BatchRunner:
+    """The runner of a model whose clients send images or frames: decoded and preprocessed on its threads."""
+    if is_device_engine(engine):
+        raise EngineError(f"models.{view.name}.input = {mc.input!r} runs on CPU workers only: no GPU decoder is "
+                          f"built yet (broker/common/imaging.py, DECODERS); serve it from worker.devices \"cpu\"")
+    decoder = None
+    if mc.input == P.InputKind.IMAGE:
+        entry = imaging.decoder_for(gpu=False)
+        if entry is None:
+            raise EngineError(f"models.{view.name}.input = \"image\": no CPU decoder in the table")
+        try:
+            decoder = make_decoder(entry.load_class(), f"models.{view.name}.max_image_pixels")
+        except ImportError as exc:
+            raise EngineError(f"models.{view.name}.input = \"image\": decoder {entry.name!r} cannot load ({exc}); "
+                              "install shmbroker[serve]") from None
+    try:
+        prep = Preprocessor(mc.preprocess, engine.inputs[0].shape, decoder, mc.max_image_pixels, view.name)
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None
+    return PhotoRunner(view, engine, batcher, ModelCounters(), prep, mc.instances, lone)
 
 
 def make_runner(model: ModelView, engine: Engine, batcher: Batcher[Work], streams: int,
@@ -81,6 +128,13 @@ def _spec(s: IOSpec) -> P.TensorSpec:
     return P.TensorSpec(s.name, s.dtype.name, list(s.shape))
 
 
+def _input_spec(s: IOSpec, v: ModelView) -> P.TensorSpec:
+    if v.photos is None:
+        return _spec(s)
+    max_bytes = v.photos.max_bytes if v.photos.kind == P.InputKind.IMAGE else 0
+    return P.TensorSpec(s.name, s.dtype.name, list(s.shape), v.photos.kind, max_bytes)
+
+
 def model_info(v: ModelView) -> P.ModelInfo:
-    return P.ModelInfo(v.model_id, v.name, v.max_batch, [_spec(s) for s in v.inputs],
+    return P.ModelInfo(v.model_id, v.name, v.max_batch, [_input_spec(s, v) for s in v.inputs],
                        [_spec(s) for s in v.outputs], v.timeout_ms)

@@ -27,14 +27,14 @@ def warm_up(engine: Engine, model: ModelView, repeats: int = 5) -> float:
 
     Returns the median CPU seconds of a one-row run on this thread, which primes the runner's choice of running inline.
     """
-    one = {s.name: np.zeros((1, *s.item_shape), dtype=s.dtype) for s in model.inputs}
+    one = {s.name: np.zeros((1, *s.item_shape), dtype=s.dtype) for s in engine.inputs}
     times = []
     for _ in range(repeats):
         t0 = time.thread_time()  # as the runner measures it: CPU time, not the machine's noise
         engine.run(one)
         times.append(time.thread_time() - t0)
     for rows in sorted({1, model.max_batch}):
-        feeds = {s.name: np.zeros((rows, *s.item_shape), dtype=s.dtype) for s in model.inputs}
+        feeds = {s.name: np.zeros((rows, *s.item_shape), dtype=s.dtype) for s in engine.inputs}
         outputs = engine.run(feeds)
         if len(outputs) != len(model.outputs):
             raise EngineError(f"model {model.name!r} returned {len(outputs)} outputs, declared {len(model.outputs)}")

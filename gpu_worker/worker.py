@@ -315,7 +315,7 @@ class Worker:
                 m = self.models.get(model_id)
                 if m is None:
                     return False
-                last_id, n_in, canons = model_id, m.runner.codec.n_inputs, m.runner.codec.rows
+                last_id, n_in, canons = model_id, m.runner.codec.n_inputs, m.runner.codec.intake
                 default_s = m.view.timeout_ms / 1e3
                 group = by_model.get(model_id)
                 if group is None:

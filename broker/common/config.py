@@ -13,9 +13,9 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from shmbroker.broker.common import batchrules
+from shmbroker.broker.common import batchrules, imaging
 from shmbroker.broker.common.engines import choices_text, engine_table
-from shmbroker.broker.common.protocol import MAX_SLOTS
+from shmbroker.broker.common.protocol import INPUT_KINDS, MAX_SLOTS, InputKind
 
 # package data (shmbroker.configs), so a wheel carries it as a checkout does
 DEFAULT_CONFIG = Path(str(resources.files("shmbroker.configs").joinpath("default.toml"))).resolve()
@@ -112,6 +112,15 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cuda_graphs: bool = True
     # engine "null" only (benchmarks of the host path): each batch's device time, whatever its rows
     null_compute_us: Annotated[int, Meta(ge=0, le=10_000_000)] = 0
+    # what clients send: "tensor" (the engine's own input), "image" (encoded JPEG or PNG, one a row) or "frames"
+    # (uint8 HWC of frame_shape); the worker makes the engine's input of them by the named preprocess preset
+    input: str = InputKind.TENSOR
+    preprocess: str = ""  # a name of broker/common/imaging.py's PRESETS; required with input "image" or "frames"
+    # input "image": a row of more bytes is refused, and a ring slot holds rows of this size (default_ring_mib)
+    max_image_bytes: Annotated[int, Meta(ge=64, le=1 << 30)] = 4 << 20
+    # input "image": an image of more pixels (width x height, read from its header) is refused before decoding
+    max_image_pixels: Annotated[int, Meta(ge=1, le=1 << 40)] = 40_000_000
+    frame_shape: list[Annotated[int, Meta(ge=1, le=65536)]] = msgspec.field(default_factory=list)  # [H, W]
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -199,6 +208,7 @@ def _check(cfg: Config, source: str) -> None:
         if m.early_copies and not m.fill_while_busy:
             raise ConfigError(f"{source}: key 'models.{name}.early_copies': a batch fills on the device only until the "
                               "device needs it, so it needs fill_while_busy = true (or drop early_copies)")
+        _check_input(name, m, source)
         too_big = [b for b in m.preferred_batch_sizes if b > m.max_batch]
         if too_big:
             raise ConfigError(
@@ -225,6 +235,24 @@ def _check(cfg: Config, source: str) -> None:
             grp.getgrnam(cfg.broker.group)
         except KeyError:
             raise ConfigError(f"{source}: key 'broker.group': no group named {cfg.broker.group!r}") from None
+
+
+def _check_input(name: str, m: ModelSection, source: str) -> None:
+    """The input kind and its keys agree: a preset for images and frames, a frame shape for frames only."""
+    key = f"{source}: key 'models.{name}"
+    if m.input not in INPUT_KINDS:
+        raise ConfigError(f"{key}.input': expected one of {', '.join(map(repr, INPUT_KINDS))}, got {m.input!r}")
+    if m.input == InputKind.TENSOR:
+        if m.preprocess or m.frame_shape:
+            what = "preprocess" if m.preprocess else "frame_shape"
+            raise ConfigError(f"{key}.{what}': only a model with input = \"image\" or \"frames\" is preprocessed; "
+                              "set input or drop the key")
+        return
+    if m.preprocess not in imaging.PRESETS:
+        raise ConfigError(f"{key}.preprocess': input {m.input!r} needs a preset: expected one of "
+                          f"{imaging.presets_text()}, got {m.preprocess!r}")
+    if (m.input == InputKind.FRAMES) != bool(m.frame_shape) or (m.frame_shape and len(m.frame_shape) != 2):
+        raise ConfigError(f"{key}.frame_shape': input \"frames\" needs frame_shape = [HEIGHT, WIDTH], and only it")
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Config:

@@ -95,6 +95,7 @@ class Status(enum.IntEnum):
     INTERNAL = 11
     SHUTTING_DOWN = 12
     BAD_SESSION = 13
+    BAD_IMAGE = 14  # a row of an image input is not a JPEG or PNG this worker decodes, or is over a limit
 
 
 class DType(enum.IntEnum):
@@ -189,12 +190,26 @@ def read_envelope(frames: list[bytes]) -> MsgKind:
 # ---------------------------------------------------------------------------------------------------------
 # Control messages (JSON bodies)
 # ---------------------------------------------------------------------------------------------------------
+class InputKind:
+    """What a client sends for a model input (``TensorSpec.kind``; the config's ``models.NAME.input``)."""
+
+    TENSOR = "tensor"  # an array of ``dtype`` and ``shape``, packed as pack_offsets says
+    IMAGE = "image"  # encoded images (JPEG, PNG), one a row, of any length up to ``max_bytes``: IMAGE_ROW
+    FRAMES = "frames"  # uint8 HWC frames of the declared shape [-1, H, W, 3]: a tensor on the wire
+
+
+INPUT_KINDS = (InputKind.TENSOR, InputKind.IMAGE, InputKind.FRAMES)
+
+
 class TensorSpec(msgspec.Struct, frozen=True):
-    """A model input or output: ``shape[0] == -1`` is the batch dimension."""
+    """A model input or output: ``shape[0] == -1`` is the batch dimension. An input of kind IMAGE has dtype
+    "uint8" and shape [-1]: each row is one encoded image of 1..``max_bytes`` bytes (PROTOCOL 5.4)."""
 
     name: str
     dtype: str  # numpy name, e.g. "float32"
     shape: list[int]
+    kind: str = InputKind.TENSOR
+    max_bytes: int = 0  # kind IMAGE: the most bytes of one row (the model's max_image_bytes)
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -705,6 +720,39 @@ def pack_offsets(sizes: list[int]) -> tuple[list[int], int]:
         offsets.append(start)
         end = start + n
     return offsets, end
+
+
+# An image input (InputKind.IMAGE) in a slot: the tensor descriptor has dtype UINT8, ndim 1, dims[0] the row count
+# and nbytes the span of the whole input; at its offset, a table of one IMAGE_ROW per row, then the images. Each
+# row's offset is relative to the input's own start; a row lies within the input's span, in any order.
+IMAGE_ROW = struct.Struct("<QQ")  # offset, length
+
+
+def image_row_bytes(max_bytes: int) -> int:
+    """The most bytes one row of an image input takes in a slot: its table entry and its image."""
+    return IMAGE_ROW.size + max_bytes
+
+
+def pack_image_table(lengths: Sequence[int]) -> tuple[bytes, list[int]]:
+    """The row table of images of these lengths packed in order right after it, and each image's offset."""
+    offsets = []
+    at = IMAGE_ROW.size * len(lengths)
+    for n in lengths:
+        offsets.append(at)
+        at += n
+    return b"".join(IMAGE_ROW.pack(o, n) for o, n in zip(offsets, lengths, strict=True)), offsets
+
+
+def image_spans(table: bytes | memoryview, rows: int, nbytes: int) -> list[tuple[int, int]] | str:
+    """The (offset, length) of each row of an image input of ``nbytes`` bytes from its table, each checked to lie
+    within the input (``offset <= nbytes && length <= nbytes - offset``); else the first fault, as text."""
+    if len(table) != rows * IMAGE_ROW.size or nbytes < len(table):
+        return f"the row table of {rows} rows needs {rows * IMAGE_ROW.size} bytes; the input has {nbytes}"
+    spans = list(IMAGE_ROW.iter_unpack(table))
+    for k, (off, n) in enumerate(spans):
+        if not _span_ok(off, n, nbytes):
+            return f"row {k}: bytes [{off}, +{n}) lie outside the input's {nbytes} bytes"
+    return spans
 
 
 # A tensor of a model as the canonical layout needs it: its dtype and its shape without the batch dimension

@@ -8,6 +8,8 @@ once its stdout is closed.
 from __future__ import annotations
 
 import argparse
+import functools
+import io
 import logging
 import sys
 import threading
@@ -62,14 +64,25 @@ class ProbeLoop:
         plan = client.models.get(model)
         if plan is None:
             return f"the broker's session does not list model {model!r}"
-        feeds = {s.name: np.zeros((1, *shape), dt)
-                 for s, shape, dt in zip(plan.info.inputs, plan.in_item_shapes, plan.in_dtypes, strict=True)}
+        feeds: object = probe_image() if plan.image_max_bytes else {
+            s.name: np.zeros((1, *shape), dt)
+            for s, shape, dt in zip(plan.info.inputs, plan.in_item_shapes, plan.in_dtypes, strict=True)}
         try:
-            client.infer(model, feeds, timeout=self.timeout_s)
+            client.infer(model, feeds, timeout=self.timeout_s)  # type: ignore[arg-type]
         except ShmBrokerError as exc:
             log.warning("health probe of model %s failed: %s: %s", model, type(exc).__name__, exc)
             return f"probe failed: {type(exc).__name__}: {exc}"
         return ""
+
+
+@functools.cache
+def probe_image() -> bytes:
+    """A small grey JPEG: a model of images is probed with an image its worker must decode."""
+    from PIL import Image
+
+    with io.BytesIO() as buf:
+        Image.new("RGB", (64, 64), (128, 128, 128)).save(buf, format="JPEG")
+        return buf.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,6 +79,9 @@ class BrokerSession:
 
 
 def item_bytes(spec: P.TensorSpec) -> int:
+    """The most bytes one row of this input or output takes in a slot (an image row: its table entry and image)."""
+    if spec.kind == P.InputKind.IMAGE:
+        return P.image_row_bytes(spec.max_bytes)
     return math.prod(spec.shape[1:]) * np.dtype(spec.dtype).itemsize
 
 
