@@ -46,7 +46,8 @@ def test_ipc_only_by_default_and_models_listed(gateway: tuple[RunningBroker, lis
     assert reply[0] == inline_envelope(MsgKind.INLINE_MODELS_REPLY)
     answer = msgspec.json.decode(reply[1])
     models = {m["name"]: m for m in answer["models"]}
-    assert models["nsfw"]["inputs"] == [{"name": "input:0", "dtype": "float32", "shape": [-1, 224, 224, 3]}]
+    assert models["nsfw"]["inputs"] == [{"name": "input:0", "dtype": "float32", "shape": [-1, 224, 224, 3],
+                                         "kind": "tensor", "max_bytes": 0}]
     # the rows limit: a request may have min(max_items, max_batch) rows, the gateway sending it in parts
     assert answer["max_items"] == max(m["max_batch"] for m in models.values())
 
