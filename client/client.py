@@ -530,14 +530,7 @@ class Client:
     def _resolve(self, fut: Future[Outputs], plan: ModelPlan, slot: int, views: SlotViews,
                  r: P.Result | ShmBrokerError) -> None:
         """Complete the Future once the slot is free (so the Future's callbacks find a free slot)."""
-        value, error = self._outcome(plan, slot, views, r)
-        try:
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(value)  # type: ignore[arg-type]
-        except InvalidStateError:  # the caller cancelled it (asyncio.wait_for, say): tell concurrent.futures.wait
-            fut.set_running_or_notify_cancel()
+        _settle(fut, *self._outcome(plan, slot, views, r))
 
     def _deliver(self, callback: Callback, plan: ModelPlan, slot: int, views: SlotViews,
                  r: P.Result | ShmBrokerError) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from shmbroker.gpu_worker import cuda
+from tests.conftest import RunningBroker, start_broker
 
 requires_cuda = pytest.mark.skipif(not cuda.available(), reason="no CUDA device or no cuda-python")
 
@@ -23,3 +26,15 @@ def stream() -> Iterator[cuda.Stream]:
     yield s
     s.synchronize()
     s.close()
+
+
+@contextlib.contextmanager
+def gpu_broker(tmp: Path, models: str) -> Iterator[RunningBroker]:
+    """A process-mode broker with one worker on GPU 0 serving ``models``; at the end it must stop cleanly, its
+    rings released."""
+    b = start_broker(tmp, "process", extra="[worker]\ndevices = [0]\n", models=models)
+    try:
+        yield b
+    finally:
+        rc = b.stop_released()
+        assert rc == 0, f"broker exited {rc}\n{b.log()}"

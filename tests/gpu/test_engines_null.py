@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from shmbroker.gpu_worker import cuda
-from tests.conftest import RunningBroker, start_broker
-from tests.gpu.conftest import nsfw_path
+from tests.conftest import RunningBroker
+from tests.gpu.conftest import gpu_broker, nsfw_path
 
 pytestmark = pytest.mark.skipif(not cuda.available(), reason="needs a CUDA device and cuda-python")
 
@@ -45,12 +45,8 @@ def null_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBro
     tmp = tmp_path_factory.mktemp("null-broker")
     models = (f'[models.null]\npath = "{nsfw_path()}"\nengine = "null"\nnull_compute_us = 200\nmax_batch = 64\n'
               "streams = 2\nmax_queue_size = 1024\ntimeout_ms = 60000\n")
-    b = start_broker(tmp, "process", extra="[worker]\ndevices = [0]\n", models=models)
-    try:
+    with gpu_broker(tmp, models) as b:
         yield b
-    finally:
-        rc = b.stop_released()
-        assert rc == 0, f"broker exited {rc}\n{b.log()}"
 
 
 def test_a_broker_on_the_null_engine_answers_every_request_with_its_own_row(null_broker: RunningBroker) -> None:

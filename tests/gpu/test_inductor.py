@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from shmbroker.gpu_worker import cuda
-from tests.conftest import CLI, REPO, RunningBroker, run_client_processes, start_broker
+from tests.conftest import CLI, REPO, RunningBroker, run_client_processes
 from tests.gpu.clients import CLIENTS, NSFW, REQUESTS, checked_client
+from tests.gpu.conftest import gpu_broker
 
 pytestmark = pytest.mark.skipif(not cuda.available(), reason="needs a CUDA device and cuda-python")
 
@@ -48,12 +49,8 @@ def inductor_broker(package: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     tmp = tmp_path_factory.mktemp("inductor-broker")
     models = (f'[models.nsfwi]\npath = "{package}"\nengine = "inductor"\nmax_batch = 8\nstreams = 2\n'
               "max_queue_delay_us = 2000\nmax_queue_size = 1024\ntimeout_ms = 60000\n")
-    b = start_broker(tmp, "process", extra="[worker]\ndevices = [0]\n", models=models)
-    try:
+    with gpu_broker(tmp, models) as b:
         yield b
-    finally:
-        rc = b.stop_released()
-        assert rc == 0, f"broker exited {rc}\n{b.log()}"
 
 
 def test_the_sidecar_records_the_build(package: Path) -> None:
