@@ -8,12 +8,11 @@ other requests run. The decode time counts in the runner's run time, so such a m
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 
 from shmbroker.broker.common import protocol as P
-from shmbroker.gpu_worker.batcher import Batcher, Take
+from shmbroker.gpu_worker.batcher import Batcher
 from shmbroker.gpu_worker.engines.base import Engine
 from shmbroker.gpu_worker.intake import ModelView, image_spans
 from shmbroker.gpu_worker.photos import ImageError, Preprocessor
@@ -27,6 +26,8 @@ class PhotoRunner(ModelRunner):
     """(1) take a batch, (2) answer the expired, (3) decode and preprocess each request's rows into the engine's
     input (a bad row answers its request), (4) run, (5) complete."""
 
+    inputs_run_time = True  # decoding is the costly part: a photo model never runs inline on the IO thread
+
     def __init__(self, model: ModelView, engine: Engine, batcher: Batcher[Work], counters: ModelCounters,
                  prep: Preprocessor, instances: int = 1, lone: Engine | None = None) -> None:
         super().__init__(model, engine, batcher, counters, instances, lone)
@@ -36,26 +37,10 @@ class PhotoRunner(ModelRunner):
         self._images = model.photos is not None and model.photos.kind == P.InputKind.IMAGE
         self._batches: dict[int, np.ndarray] = {}  # per instance's buffers (by id): the engine's input batch
 
-    def _run_on(self, take: Take[Work], bufs: _Buffers) -> None:
-        self.answer_timed_out(take)  # (2)
-        if not take.batch:
-            return
-        try:
-            t0 = time.thread_time()
-            works, rows, batch = self._prepare(take.batch, bufs)  # (3)
-            if not works:
-                return
-            try:
-                lone = self.lone if self.batcher.running <= 1 else None
-                outputs = (lone or self.engine).run({self._feed.name: batch[:rows]})  # (4)
-                self.note_run_time(time.thread_time() - t0)
-            except Exception as exc:  # noqa: BLE001 - an engine failure fails this batch (logged), not the worker
-                self.fail(works, exc)
-                return
-            self.counters.batch(rows)
-            self._complete(works, outputs)  # (5)
-        finally:
-            self.batcher.done()
+    def _inputs(self, works: list[Work], bufs: _Buffers) -> tuple[list[Work], dict[str, np.ndarray], int]:
+        """(3) Decode and preprocess: the requests whose rows all went into the batch, the feeds, their rows."""
+        ok, rows, batch = self._prepare(works, bufs)
+        return ok, {self._feed.name: batch[:rows]}, rows
 
     def _batch(self, bufs: _Buffers) -> np.ndarray:
         batch = self._batches.get(id(bufs))

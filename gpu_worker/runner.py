@@ -159,6 +159,8 @@ class ModelRunner(BatchRunner):
     model runs when it starts), so that the cores of idle instances help it instead of sitting idle.
     """
 
+    inputs_run_time = False  # whether (3) counts as the batch's run time (which decides inline runs)
+
     def __init__(self, model: ModelView, engine: Engine, batcher: Batcher[Work], counters: ModelCounters,
                  instances: int = 1, lone: Engine | None = None) -> None:
         super().__init__(model, engine, batcher, counters)
@@ -197,9 +199,13 @@ class ModelRunner(BatchRunner):
         works = take.batch
         try:
             try:
-                feeds, rows = self._gather(works, bufs)  # (3)
                 # CPU time of this thread: wall time would count the hypervisor's steal and preemption
-                t0 = time.thread_time()
+                t0 = time.thread_time() if self.inputs_run_time else 0.0
+                works, feeds, rows = self._inputs(works, bufs)  # (3)
+                if not works:
+                    return
+                if not self.inputs_run_time:
+                    t0 = time.thread_time()
                 lone = self.lone if self.batcher.running <= 1 else None  # this batch is the only one running
                 outputs = (lone or self.engine).run(feeds)  # (4)
                 self.note_run_time(time.thread_time() - t0)
@@ -210,6 +216,12 @@ class ModelRunner(BatchRunner):
             self._complete(works, outputs)  # (5)
         finally:
             self.batcher.done()  # the instance is free: with idle dispatch, what is queued may leave now
+
+    def _inputs(self, works: list[Work], bufs: _Buffers) -> tuple[list[Work], dict[str, np.ndarray], int]:
+        """(3) The requests that run, the engine's feeds and their rows; a subclass may answer some requests here
+        (and then leaves them out)."""
+        feeds, rows = self._gather(works, bufs)
+        return works, feeds, rows
 
     def _gather(self, works: list[Work], bufs: _Buffers) -> tuple[dict[str, np.ndarray], int]:
         names = self._names
