@@ -3,8 +3,9 @@
 Invariant: a request is in the queue, or in exactly one batch, or answered expired; never two of these.
 A batch forms at once when the rule says so (``BatchingRule.at_once``: ``max_batch`` rows, a preferred size,
 an idle executor); else when the oldest request has waited ``max_queue_delay_us`` and the runner's ``hold``
-(how long the device stays busy without this batch) has passed. It takes the rows the rule sizes it to, fewer
-while a batch of the model runs on a device that said what it prepared (``device_ready``).
+(how long the device stays busy without this batch, less the time its rows take to copy in) has passed. It
+takes the rows the rule sizes it to, fewer while a batch of the model runs on a device that said what it
+prepared (``device_ready``).
 Requests past their deadline are never put in a batch. Every batch handed out is reported ``done`` once.
 """
 
@@ -74,7 +75,9 @@ class Batcher(Generic[E]):
         self._at_once = self.rule.at_once  # bound once: called on every put and take
         self.max_batch = policy.max_batch
         self._running = 0
-        self.hold_until = 0.0  # time.monotonic(): a batch that is not full need not leave before this (``hold``)
+        # time.monotonic(): a batch of r rows that is not full need not leave before hold_until - r * hold_per_row
+        self.hold_until = 0.0
+        self.hold_per_row = 0.0
         # the batch sizes the engine runs without padding (empty: every size); while a batch of this batcher runs,
         # one that is not full takes the largest of these that its rows reach, and the rest wait (``device_ready``)
         self._fits: list[int] = []
@@ -147,14 +150,20 @@ class Batcher(Generic[E]):
         with self._cond:
             self._wake(float("inf"))
 
-    def hold(self, until: float) -> None:
-        """A batch that is not full may wait until ``until`` (time.monotonic()) to grow, even after the delay: the
-        device runs other batches till then. The runner moves it as batches launch and end; 0 holds nothing."""
+    def hold(self, until: float, per_row_s: float = 0.0) -> None:
+        """A batch of r rows that is not full may wait until ``until - r * per_row_s`` (time.monotonic()) to
+        grow, even after the delay: the device runs other batches till then, and its rows take ``per_row_s``
+        each to copy in. The runner moves it as batches launch and end; ``until`` 0 holds nothing."""
         with self._cond:
-            earlier = until < self.hold_until
+            before = self._held_until()
             self.hold_until = until
-            if earlier and self._waiters:
+            self.hold_per_row = per_row_s
+            if self._held_until() < before and self._waiters:
                 self._cond.notify()
+
+    def _held_until(self) -> float:
+        """The hold of a batch of the queued rows."""
+        return self.hold_until - self.hold_per_row * min(self._items, self.max_batch)
 
     def _wake(self, deadline: float) -> None:
         """Notify a waiting runner if the queue (with a new entry's ``deadline``) is due before it plans to wake;
@@ -277,7 +286,7 @@ class Batcher(Generic[E]):
             return 0.0
         wait_until = self._q[0].enqueued + self.delay
         if not self.early:
-            wait_until = max(wait_until, self.hold_until)
+            wait_until = max(wait_until, self._held_until())
         if wait_until <= now:  # the common case of a zero delay: no need to look for the soonest deadline
             return 0.0
         soonest_deadline = min(e.deadline for e in self._q)
@@ -290,7 +299,7 @@ class Batcher(Generic[E]):
         if self._at_once(self._items, self._running):
             return now
         opens = self._q[0].enqueued + self.delay
-        return opens if self.early else max(opens, self.hold_until)
+        return opens if self.early else max(opens, self._held_until())
 
     def _pop_batch(self) -> list[E]:
         target = self.rule.size(self._items)

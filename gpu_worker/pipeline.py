@@ -289,7 +289,7 @@ class PipelineRunner(BatchRunner):
         slot.issue_s = issued - issuing
         if self.plan is not None:
             slot.expected_s, hold = self.plan.launched(issued, rows)
-            self.batcher.hold(hold)
+            self.batcher.hold(hold.until, hold.per_row_s)
         self.counters.batch(rows)
         if watch and self._lone_short_ms(rows) is not None:
             with self._watch_lock:
@@ -369,8 +369,8 @@ class PipelineRunner(BatchRunner):
         if self.plan is not None:
             # a filled batch's H2D stage spans its filling: no sample of the lead
             lead = None if h2d_ms is None or slot.filled else slot.issue_s + h2d_ms / 1e3
-            self.batcher.hold(self.plan.ended(time.monotonic(), slot.expected_s, lead, slot.rows,
-                                              self.batcher.running - 1))
+            hold = self.plan.ended(time.monotonic(), slot.expected_s, lead, slot.rows, self.batcher.running - 1)
+            self.batcher.hold(hold.until, hold.per_row_s)
         self.batcher.done()
         self._free.put(slot)
 

@@ -464,6 +464,38 @@ def test_a_hold_keeps_a_busy_batch_growing_past_the_delay() -> None:
     assert full is not None and _names(full.batch) == ["a", "b", "c", "d"]
 
 
+def test_a_per_row_hold_lets_few_rows_wait_and_many_leave() -> None:
+    """A slot freed just after its answers must not take the few rows queued before those clients' next
+    requests come: the rows of a batch take time to copy in, so few rows may wait longer than many."""
+    b: Batcher[Queued[str]] = Batcher(BatchPolicy(8, 0, (), 100, "idle", executors=1))
+    b.put(_entry("running"))
+    assert b.take_now() is not None  # the device now runs a batch ...
+    # ... for another minute; each row takes 10 s to copy in
+    b.hold(time.monotonic() + LONG, per_row_s=LONG / 6)
+    b.put(_entry("a"))
+    assert b.take_now() is None  # one row copies in within 10 s: it may wait
+    for name in "bcdef":
+        b.put(_entry(name))
+    take = b.take_now()  # six rows take the whole minute to copy in: they leave now
+    assert take is not None and _names(take.batch) == list("abcdef")
+
+
+def test_more_rows_wake_a_taker_held_for_few() -> None:
+    b: Batcher[Queued[str]] = Batcher(BatchPolicy(8, 0, (), 100, "idle", executors=1))
+    b.put(_entry("running"))
+    assert b.take_now() is not None
+    b.hold(time.monotonic() + LONG, per_row_s=LONG / 6)
+    b.put(_entry("a"))
+    t, out = _take_in_thread(b, LONG)
+    _wait_until_sleeping(b)
+    t.join(0.2)
+    assert t.is_alive()  # held for 50 s
+    for name in "bcdef":
+        b.put(_entry(name))
+    t.join(LONG)
+    assert out and out[0] is not None and _names(out[0].batch) == list("abcdef")
+
+
 def test_a_hold_in_the_past_leaves_the_delay_rule() -> None:
     b: Batcher[Queued[str]] = Batcher(BatchPolicy(4, 0, (), 100, "idle", executors=1))
     b.put(_entry("running"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shmbroker.gpu_worker.launchplan import LaunchPlan
+from shmbroker.gpu_worker.launchplan import NONE, LaunchPlan
 
 MS = 1e-3
 
@@ -18,16 +18,18 @@ def test_no_hold_before_a_lead_was_measured() -> None:
     plan = _plan()
     expected, hold = plan.launched(10.0, 100)
     assert expected == pytest.approx(100 * MS)
-    assert hold == 0.0
+    assert hold == NONE
 
 
-def test_hold_is_the_end_of_launched_work_less_the_lead_of_a_max_batch() -> None:
+def test_hold_is_the_end_of_launched_work_less_the_lead_of_the_batch_rows() -> None:
     plan = _plan()
     expected, _ = plan.launched(0.0, 100)
     # it ended at 0.1 s; issue plus H2D took 20 ms for its 100 rows; another batch still runs
     plan.ended(0.1, expected, 20 * MS, 100, running=1)
     _, hold = plan.launched(0.1, 100)  # computes 0.1 .. 0.2 s
-    assert hold == pytest.approx(0.2 - 20 * MS - 1 * MS)
+    assert hold.for_rows(100) == pytest.approx(0.2 - 20 * MS - 1 * MS)
+    # a batch of 10 rows copies in within 2 ms: it may grow until 2 ms before the device runs out of work
+    assert hold.for_rows(10) == pytest.approx(0.2 - 2 * MS - 1 * MS)
 
 
 def test_launches_queue_behind_each_other() -> None:
@@ -36,7 +38,7 @@ def test_launches_queue_behind_each_other() -> None:
     plan.ended(0.01, e, 10 * MS, 10, running=1)  # lead 1 ms a row: 100 ms for a max batch
     plan.launched(1.0, 100)  # 1.0 .. 1.1
     _, hold = plan.launched(1.0, 100)  # after it: 1.1 .. 1.2
-    assert hold == pytest.approx(1.2 - 0.1)
+    assert hold.for_rows(100) == pytest.approx(1.2 - 0.1)
 
 
 def test_an_early_end_moves_the_hold_earlier_and_the_last_end_clears_it() -> None:
@@ -45,10 +47,10 @@ def test_an_early_end_moves_the_hold_earlier_and_the_last_end_clears_it() -> Non
     plan.ended(0.01, e0, 1 * MS, 10, running=0)  # lead 0.1 ms a row: 10 ms for a max batch
     a, _ = plan.launched(1.0, 100)  # planned 1.0 .. 1.1
     b, hold = plan.launched(1.0, 100)  # planned 1.1 .. 1.2
-    assert hold == pytest.approx(1.2 - 0.01)
+    assert hold.for_rows(100) == pytest.approx(1.2 - 0.01)
     hold = plan.ended(1.05, a, 10 * MS, 100, running=1)  # ended 50 ms early: b ends 100 ms from now
-    assert hold == pytest.approx(1.15 - 0.01)
-    assert plan.ended(1.15, b, 10 * MS, 100, running=0) == 0.0  # nothing runs: nothing to wait for
+    assert hold.for_rows(100) == pytest.approx(1.15 - 0.01)
+    assert plan.ended(1.15, b, 10 * MS, 100, running=0) == NONE  # nothing runs: nothing to wait for
 
 
 def test_a_failed_batch_gives_no_lead_sample() -> None:
@@ -61,12 +63,12 @@ def test_a_failed_batch_gives_no_lead_sample() -> None:
     assert plan.lead_per_row_s == pytest.approx(0.1 * MS)
 
 
-def test_a_primed_lead_holds_before_any_batch_ended_and_lead_rows_scale_it() -> None:
+def test_a_primed_lead_holds_before_any_batch_ended_and_lead_rows_fix_it() -> None:
     plan = LaunchPlan(100, lambda rows: rows * MS, margin_s=0.0, lead_rows=10)
     plan.prime(1 * MS)  # 1 ms a row: the lead of 10 rows is 10 ms
     _, hold = plan.launched(0.0, 100)
-    assert hold == pytest.approx(0.1 - 0.01)
+    assert hold.for_rows(100) == hold.for_rows(1) == pytest.approx(0.1 - 0.01)  # rows copied as they came
     plan.prime(5 * MS)  # a measured lead is not replaced
     _, hold = plan.launched(0.0, 100)
-    assert hold == pytest.approx(0.2 - 0.01)
+    assert hold.for_rows(100) == pytest.approx(0.2 - 0.01)
 
