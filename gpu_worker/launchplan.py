@@ -65,10 +65,13 @@ class LaunchPlan:
 
     def launched(self, now: float, rows: int) -> tuple[float, Hold]:
         """A batch of ``rows`` rows was issued (``now``: when its issue ended). Returns its expected device
-        time and the hold."""
+        time and the hold. Its compute starts once its rows are on the device, and not before the batches
+        launched before it end: on a device that ran out of work, an end counted from the issue alone comes
+        a copy-in too soon, and the next batch then leaves with fewer rows than would keep the device busy."""
         expected = self.expected_s(rows) or 0.0
         with self._lock:
-            self._busy_until = max(now, self._busy_until) + expected
+            copied = now + (self.lead_per_row_s or 0.0) * min(rows, self.lead_rows or rows)
+            self._busy_until = max(copied, self._busy_until) + expected
             self._pending_s += expected
             return expected, self._hold()
 
