@@ -181,10 +181,12 @@ class Frontend:
     async def infer(self, request: web.Request) -> web.Response:
         info = self._model(request)
         client = self._client()
+        header_length = request.headers.get(HEADER_LENGTH)
+        image_body = kserve.is_image_body(request.content_type, header_length, info)
         async with request_body(request, self.bodies, self.settings) as body:
-            req = kserve.parse_infer(body, request.headers.get(HEADER_LENGTH), info)
+            req = kserve.parse_image_body(body, info) if image_body else kserve.parse_infer(body, header_length, info)
             try:
-                out = await client.infer(info.name, req.inputs, req.timeout_s)
+                out = await client.infer(info.name, req.payload(), req.timeout_s)
             except ShmBrokerError as exc:
                 raise HttpError(status_of(exc), str(exc)) from None
         outputs = out if isinstance(out, dict) else {info.outputs[0].name: out}
