@@ -159,9 +159,10 @@ def request_id(frames: list[bytes]) -> int:
 
 
 def decode_request(frames: list[bytes], models: Mapping[str, ModelPlan],
-                   max_items: int) -> tuple[InlineRequest, dict[str, np.ndarray]]:
-    """The header and the input arrays (views of the frames, no copy), checked against the frames and against
-    ``models`` before any array is made; Refused names the field and carries the id once it could be read."""
+                   max_items: int) -> tuple[InlineRequest, dict[str, np.ndarray] | list[bytes]]:
+    """The header and the input arrays by name (views of the frames, no copy), or a model of images' images (its
+    frames, one image each), checked against the frames and against ``models`` before any array is made; Refused
+    names the field and carries the id once it could be read."""
     if len(frames) < 2:  # envelope, header
         raise BadMessage(f"frames: expected [envelope (4 bytes), JSON header, one frame per input], got "
                          f"{len(frames)} frames")
@@ -190,26 +191,43 @@ def decode_request(frames: list[bytes], models: Mapping[str, ModelPlan],
         raise BadMessage(f"timeout_us: expected 0 (the model's timeout_ms) to {MAX_TIMEOUT_US}, got "
                          f"{req.timeout_us}", rid)
     data = frames[2:]
-    if len(data) != len(req.inputs):
+    images = _image_inputs(req, models)
+    # a negative count (refused below, as every negative dimension is) must not let the groups slip
+    counts = [max(t.shape[0], 0) if t.name in images and len(t.shape) == 1 else 1 for t in req.inputs]
+    if len(data) != sum(counts):
         raise BadMessage(f"frames: the header names {len(req.inputs)} inputs, {len(data)} data frames follow "
-                         f"(one per input, in the header's order)", rid)
-    dtypes = _checked_frames(req, data)
-    _check_model(req, models, max_items)
+                         f"(one per input, in the header's order, and one per image for an input of images of "
+                         f"shape [N]: {sum(counts)} here)", rid)
+    ends = np.cumsum(counts).tolist()
+    groups = [data[end - n : end] for n, end in zip(counts, ends, strict=True)]
+    dtypes = _checked_frames(req, groups, images)
+    _check_model(req, models, max_items, groups)
     # Only now: the frames hold exactly product(shape) items, and the shapes are the model's, so reshape
     # neither allocates nor meets a dimension numpy refuses.
-    arrays = {t.name: np.frombuffer(buf, dt).reshape(t.shape) for t, buf, dt in zip(req.inputs, data, dtypes,
-                                                                                      strict=True)}
-    return req, arrays
+    if images:  # a model of images has that one input (ModelPlan.image_max_bytes)
+        return req, groups[0]
+    return req, {t.name: np.frombuffer(group[0], dt).reshape(t.shape)
+                 for t, group, dt in zip(req.inputs, groups, dtypes, strict=True)}
 
 
-def _checked_frames(req: InlineRequest, data: list[bytes]) -> list[np.dtype[Any]]:
+def _image_inputs(req: InlineRequest, models: Mapping[str, ModelPlan]) -> set[str]:
+    """The names of the request's inputs that its model takes as encoded images: one of shape [N] comes as N
+    frames, one image each; another shape counts one frame, and the model's check refuses it."""
+    plan = models.get(req.model)
+    if plan is None:
+        return set()
+    return {s.name for s in plan.info.inputs if s.kind == P.InputKind.IMAGE}
+
+
+def _checked_frames(req: InlineRequest, groups: list[list[bytes]], images: set[str]) -> list[np.dtype[Any]]:
     """Each input's dtype; BadMessage unless its name is new, its dtype one of 5.3's, and its frame holds exactly
-    product(shape) * itemsize bytes. At most MAX_DIMS dimensions, each below 2**63, are multiplied, so the
-    product costs nothing whatever the caller sent, and it is compared with the frame before anything is made."""
+    product(shape) * itemsize bytes (an input of images: its frames are checked against the model). At most
+    MAX_DIMS dimensions, each below 2**63, are multiplied, so the product costs nothing whatever the caller sent,
+    and it is compared with the frame before anything is made."""
     rid = req.id
     seen: dict[str, int] = {}
     dtypes: list[np.dtype[Any]] = []
-    for i, (t, buf) in enumerate(zip(req.inputs, data, strict=True)):
+    for i, (t, group) in enumerate(zip(req.inputs, groups, strict=True)):
         if t.name in seen:
             raise BadMessage(f"inputs[{i}].name: input {_clip(t.name)} is given twice (inputs[{seen[t.name]}] "
                              f"too); give each input once", rid)
@@ -222,24 +240,29 @@ def _checked_frames(req: InlineRequest, data: list[bytes]) -> list[np.dtype[Any]
                              rid)
         if not all(0 <= d <= _MAX_DIM for d in t.shape):
             raise BadMessage(f"inputs[{i}].shape: expected dimensions 0..{_MAX_DIM}, got {t.shape}", rid)
+        dtypes.append(dt)
+        if t.name in images:
+            continue
+        buf = group[0]
         expected = math.prod(t.shape) * dt.itemsize
         if len(buf) != expected:
             raise BadMessage(f"inputs[{i}]: data frame of {len(buf)} bytes, expected {expected} "
                              f"({t.dtype} of shape {t.shape})", rid)
-        dtypes.append(dt)
     return dtypes
 
 
-def _check_model(req: InlineRequest, models: Mapping[str, ModelPlan], max_items: int) -> None:
-    """Refused with the protocol's code (UNKNOWN_MODEL, BAD_INPUT, BAD_DTYPE, BAD_SHAPE) unless the inputs are
-    the model's, with its dtypes and item shapes and one row count the session and the model take."""
+def _check_model(req: InlineRequest, models: Mapping[str, ModelPlan], max_items: int,
+                 groups: list[list[bytes]]) -> None:
+    """Refused with the protocol's code (UNKNOWN_MODEL, BAD_INPUT, BAD_DTYPE, BAD_SHAPE, BAD_SIZE) unless the inputs
+    are the model's, with its dtypes and item shapes (images: [N], each of 1..max_bytes bytes) and one row count
+    the session and the model take."""
     rid = req.id
     plan = models.get(req.model)
     if plan is None:
         raise Refused(f"model: {_clip(req.model)} is not served; models are {sorted(models)}", rid, "UNKNOWN_MODEL")
     specs = {s.name: k for k, s in enumerate(plan.info.inputs)}
     rows = -1
-    for t in req.inputs:
+    for t, group in zip(req.inputs, groups, strict=True):
         k = specs.get(t.name)
         field = f"inputs[{_clip(t.name)}]"
         if k is None:
@@ -247,7 +270,12 @@ def _check_model(req: InlineRequest, models: Mapping[str, ModelPlan], max_items:
                           "BAD_INPUT")
         if t.dtype != plan.in_dtypes[k].name:
             raise Refused(f"{field}.dtype: expected {plan.in_dtypes[k].name}, got {t.dtype}", rid, "BAD_DTYPE")
-        item = plan.in_item_shapes[k]
+        spec = plan.info.inputs[k]
+        if spec.kind == P.InputKind.IMAGE:
+            _check_images(req, spec, field, t.shape, group)
+            item: tuple[int, ...] = ()
+        else:
+            item = plan.in_item_shapes[k]
         if len(t.shape) != len(item) + 1 or tuple(t.shape[1:]) != item:
             raise Refused(f"{field}.shape: expected [N, {', '.join(map(str, item))}], got {t.shape}", rid,
                           "BAD_SHAPE")
@@ -262,6 +290,19 @@ def _check_model(req: InlineRequest, models: Mapping[str, ModelPlan], max_items:
     if missing:
         raise Refused(f"inputs: model {req.model!r} also takes {missing}; its inputs are {list(specs)}", rid,
                       "BAD_INPUT")
+
+
+def _check_images(req: InlineRequest, spec: P.TensorSpec, field: str, shape: list[int], group: list[bytes]) -> None:
+    """An input of encoded images: shape [N], its N frames each an image of 1..max_bytes bytes (BAD_SHAPE,
+    BAD_SIZE naming the image and the model's max_image_bytes)."""
+    if len(shape) != 1:
+        raise Refused(f"{field}.shape: expected [N], N images (model {req.model!r} takes encoded images, one a "
+                      f"frame), got {shape}", req.id, "BAD_SHAPE")
+    for j, image in enumerate(group):
+        if not 1 <= len(image) <= spec.max_bytes:
+            raise Refused(f"{field}[{j}]: an image of {len(image)} bytes; model {req.model!r} takes 1.."
+                          f"{spec.max_bytes} bytes an image (the broker's models.{req.model}.max_image_bytes)",
+                          req.id, "BAD_SIZE")
 
 
 def _asks_models(frames: list[bytes]) -> bool:
@@ -396,7 +437,7 @@ class Gateway:
         return req.id, status, reply, inner
 
     async def _infer(self, req: InlineRequest,
-                     arrays: dict[str, np.ndarray]) -> tuple[list[Any], str, asyncio.Future[Any] | None]:
+                     arrays: dict[str, np.ndarray] | list[bytes]) -> tuple[list[Any], str, asyncio.Future[Any] | None]:
         """The reply, its status, and the session call when it is still running. A request not answered within
         its timeout (from its arrival: the wait for a slot counts) plus GRACE_S is answered TIMEOUT, and its call
         goes on until the worker answers or dies, holding its slot, as the worker may still use it (PROTOCOL 5.7)."""

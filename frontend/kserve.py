@@ -5,12 +5,15 @@ a thin adapter. Supported: JSON tensors (flat or nested ``data`` in row-major or
 tensor data extension: a JSON header of ``Inference-Header-Content-Length`` bytes, then each binary
 input's bytes in input order, sized by its ``parameters.binary_data_size``. Outputs are binary when the
 output asks ``parameters.binary_data``, else when the request asks ``parameters.binary_data_output``.
-``BYTES`` tensors are not supported (no model of the broker takes strings).
+An input of encoded images (kind "image") is a ``BYTES`` tensor of shape [N] or [N, 1] in the binary data, each
+element a 4-byte little-endian length then that many bytes (one image each); or, for one photo, the whole body
+is the image (``parse_image_body``). No other input is ``BYTES``.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +26,14 @@ from shmbroker.broker.common import protocol as P
 DATATYPE_OF: dict[str, str] = {np.dtype(P.numpy_dtype(d)).name: d.name for d in P.DType}
 NUMPY_OF: dict[str, np.dtype[Any]] = {d.name: P.numpy_dtype(d) for d in P.DType}
 MAX_TIMEOUT_US = 0xFFFF_FFFF  # the ring protocol's timeout_us is a u32
+BYTES = "BYTES"  # the datatype of an image input: its elements are the images' bytes
+ELEMENT_LENGTH = struct.Struct("<I")  # the binary extension's BYTES element: a u32 length, then the bytes
+JSON_TYPE = "application/json"
+# The Content-Types of a body that is one image, for a model of images (no Inference-Header-Content-Length):
+# the image's own, the generic binary one, and curl's default for --data-binary, so that a bare
+# `curl --data-binary @photo.jpg URL` works too. Any other body is a KServe v2 request.
+IMAGE_TYPES = ("image/jpeg", "image/png")
+RAW_TYPES = (*IMAGE_TYPES, "application/octet-stream", "application/x-www-form-urlencoded")
 
 
 class HttpError(Exception):
@@ -40,20 +51,27 @@ def bad(message: str) -> HttpError:
 
 @dataclass
 class InferRequest:
-    """A decoded infer request: input arrays in the model's order, and which outputs to return how."""
+    """A decoded infer request: input arrays in the model's order (or, for a model of images, the images, views
+    of the body), and which outputs to return how."""
 
     id: str | None
     inputs: dict[str, np.ndarray]
     outputs: list[tuple[str, bool]]  # (name, binary) in the order to return them
     timeout_s: float | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    images: list[memoryview] | None = None  # a model of images: one encoded image a row, in place of ``inputs``
+
+    def payload(self) -> dict[str, np.ndarray] | list[memoryview]:
+        """What the ring client takes: the images of a model of images, else the arrays by name."""
+        return self.inputs if self.images is None else self.images
 
 
 def model_metadata(info: P.ModelInfo, platform: str = "onnxruntime_onnx") -> dict[str, Any]:
     """``GET /v2/models/{name}``: name, versions, platform, and each tensor's name, datatype and shape."""
 
     def tensors(specs: list[P.TensorSpec]) -> list[dict[str, Any]]:
-        return [{"name": s.name, "datatype": DATATYPE_OF[s.dtype], "shape": list(s.shape)} for s in specs]
+        return [{"name": s.name, "datatype": BYTES if s.kind == P.InputKind.IMAGE else DATATYPE_OF[s.dtype],
+                 "shape": list(s.shape)} for s in specs]
 
     return {"name": info.name, "versions": ["1"], "platform": platform,
             "inputs": tensors(info.inputs), "outputs": tensors(info.outputs)}
@@ -130,12 +148,69 @@ def _tensor(entry: dict[str, Any], where: str, spec: P.TensorSpec, body: bytes, 
     return arr.reshape(shape), pos
 
 
-def _inputs(doc: dict[str, Any], info: P.ModelInfo, body: bytes, pos: int) -> dict[str, np.ndarray]:
+def image_size_error(n: int, info: P.ModelInfo, spec: P.TensorSpec, where: str, status: int = 400) -> HttpError:
+    """An image of ``n`` bytes, 0 or over the model's ``max_image_bytes``: the error naming the setting."""
+    return HttpError(status, f"{where}: an image of {n} bytes; model {info.name!r} takes 1..{spec.max_bytes} bytes "
+                             f"an image (the broker's models.{info.name}.max_image_bytes)")
+
+
+def _images(entry: dict[str, Any], where: str, spec: P.TensorSpec, info: P.ModelInfo, body: bytes,
+            pos: int) -> tuple[list[memoryview], int]:
+    """An image input's elements (views of ``body``, no copy) and the binary position after them: a BYTES tensor
+    of shape [N] or [N, 1] in the binary data, each element a u32 little-endian length, then the image."""
+    datatype = entry.get("datatype")
+    if datatype != BYTES:
+        raise bad(f"{where}.datatype: expected 'BYTES' (model {info.name!r} takes encoded images, one an element), "
+                  f"got {datatype!r}")
+    shape = entry.get("shape")
+    if (not isinstance(shape, list) or not all(type(d) is int for d in shape) or len(shape) not in (1, 2)
+            or shape[1:] not in ([], [1]) or shape[0] < 1):
+        raise bad(f"{where}.shape: expected [N] or [N, 1] with N >= 1 (one image an element), got {shape!r}")
+    rows = shape[0]
+    if rows > info.max_batch:
+        raise bad(f"{where}.shape[0]: expected 1..{info.max_batch} images (model {info.name!r} has max_batch "
+                  f"{info.max_batch}), got {rows}")
+    params = _object(entry.get("parameters", {}), f"{where}.parameters")
+    size = params.get("binary_data_size")
+    if "data" in entry or size is None:
+        raise bad(f"{where}: images travel as binary data: give parameters.binary_data_size and the header "
+                  f"Inference-Header-Content-Length, each element a 4-byte little-endian length then the image's "
+                  f"bytes (or POST one image alone as the body, Content-Type image/jpeg or image/png)")
+    if type(size) is not int or not 0 < size <= len(body) - pos:
+        raise bad(f"{where}.parameters.binary_data_size: expected 1..{len(body) - pos} (the binary data left in "
+                  f"the body), got {size!r}")
+    end = pos + size
+    view = memoryview(body)
+    images: list[memoryview] = []
+    for k in range(rows):
+        if end - pos < ELEMENT_LENGTH.size:
+            raise bad(f"{where}: binary_data_size {size} ends inside element {k}'s length; expected {rows} "
+                      f"elements, each a 4-byte little-endian length then the image")
+        (n,) = ELEMENT_LENGTH.unpack_from(body, pos)
+        pos += ELEMENT_LENGTH.size
+        if not 1 <= n <= spec.max_bytes:
+            raise image_size_error(n, info, spec, f"{where} element {k}")
+        if n > end - pos:
+            raise bad(f"{where} element {k}: a length of {n} bytes, but only {end - pos} bytes of its "
+                      f"binary_data_size are left")
+        images.append(view[pos : pos + n])
+        pos += n
+    if pos != end:
+        raise bad(f"{where}.parameters.binary_data_size: {size} bytes, but its {rows} elements take "
+                  f"{size - (end - pos)}")
+    return images, pos
+
+
+def _inputs(doc: dict[str, Any], info: P.ModelInfo, body: bytes,
+            pos: int) -> tuple[dict[str, np.ndarray], list[memoryview] | None]:
+    """The arrays by name in model order, and a model of images' images (None for other models)."""
     entries = doc.get("inputs")
     if not isinstance(entries, list) or not entries:
         raise bad("inputs: expected a non-empty list of input tensors")
     specs = {s.name: s for s in info.inputs}
     arrays: dict[str, np.ndarray] = {}
+    images: list[memoryview] | None = None
+    seen: set[str] = set()
     for i, raw in enumerate(entries):
         where = f"inputs[{i}]"
         entry = _object(raw, where)
@@ -143,15 +218,19 @@ def _inputs(doc: dict[str, Any], info: P.ModelInfo, body: bytes, pos: int) -> di
         spec = specs.get(name) if isinstance(name, str) else None
         if spec is None:
             raise bad(f"{where}.name: expected one of {sorted(specs)} (model {info.name!r}), got {name!r}")
-        if name in arrays:
+        if name in seen:
             raise bad(f"{where}.name: input {name!r} given twice")
-        arrays[spec.name], pos = _tensor(entry, where, spec, body, pos)
-    missing = [s.name for s in info.inputs if s.name not in arrays]
+        seen.add(spec.name)
+        if spec.kind == P.InputKind.IMAGE:
+            images, pos = _images(entry, where, spec, info, body, pos)
+        else:
+            arrays[spec.name], pos = _tensor(entry, where, spec, body, pos)
+    missing = [s.name for s in info.inputs if s.name not in seen]
     if missing:
         raise bad(f"inputs: model {info.name!r} also needs {missing}")
     if pos != len(body):
         raise bad(f"binary data: {len(body) - pos} bytes after the last input's binary_data_size")
-    return {s.name: arrays[s.name] for s in info.inputs}
+    return {s.name: arrays[s.name] for s in info.inputs if s.name in arrays}, images
 
 
 def _outputs(doc: dict[str, Any], info: P.ModelInfo, binary_default: bool) -> list[tuple[str, bool]]:
@@ -194,7 +273,34 @@ def parse_infer(body: bytes, header_length: str | None, info: P.ModelInfo) -> In
     rid = doc.get("id")
     if rid is not None and not isinstance(rid, str):
         raise bad(f"id: expected a string, got {rid!r}")
-    return InferRequest(rid, _inputs(doc, info, body, pos), _outputs(doc, info, binary_default), timeout_s, params)
+    arrays, images = _inputs(doc, info, body, pos)
+    return InferRequest(rid, arrays, _outputs(doc, info, binary_default), timeout_s, params, images)
+
+
+def takes_images(info: P.ModelInfo) -> bool:
+    """Whether the model's input is encoded images (kind "image")."""
+    return any(s.kind == P.InputKind.IMAGE for s in info.inputs)
+
+
+def is_image_body(content_type: str, header_length: str | None, info: P.ModelInfo) -> bool:
+    """Whether ``POST .../infer`` carries one image as its whole body rather than a KServe v2 request: a model of
+    images, no Inference-Header-Content-Length, and a Content-Type of RAW_TYPES. HttpError 415 for an image's
+    Content-Type sent to a model of tensors."""
+    if not takes_images(info):
+        if content_type in IMAGE_TYPES:
+            raise HttpError(415, f"Content-Type {content_type}: model {info.name!r} takes tensors, not images; send "
+                                 f"a KServe v2 request (application/json, or with the binary data extension)")
+        return False
+    return header_length is None and content_type in RAW_TYPES
+
+
+def parse_image_body(body: bytes, info: P.ModelInfo) -> InferRequest:
+    """The request of one image POSTed as the whole body: its one row, every output as JSON. 413 for an image
+    over the model's ``max_image_bytes``, 400 for an empty body."""
+    spec = next(s for s in info.inputs if s.kind == P.InputKind.IMAGE)
+    if not 1 <= len(body) <= spec.max_bytes:
+        raise image_size_error(len(body), info, spec, "request body", 413 if body else 400)
+    return InferRequest(None, {}, [(s.name, False) for s in info.outputs], images=[memoryview(body)])
 
 
 def encode_response(info: P.ModelInfo, req: InferRequest, outputs: dict[str, np.ndarray]) -> tuple[bytes, int | None]:

@@ -66,6 +66,8 @@ class BodyBudget:
         return True
 
     def give(self, peer: str, size: int) -> None:
+        if not size:  # an empty body took nothing, and its peer may hold nothing
+            return
         self.used -= size
         left = self.by_peer.pop(peer) - size
         if left:

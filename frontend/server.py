@@ -3,11 +3,13 @@
 The process holds one ring session (``client.AsyncClient``): an infer request's tensors go from the HTTP
 body into a ring slot with one copy, the worker writes the outputs into the same slot, and the response is
 built from them. Several such processes accept from one listening socket that frontend/main.py binds and
-passes to them; the kernel hands each connection to one of them. Errors are ``{"error": "..."}`` with 400
+passes to them; the kernel hands each connection to one of them. A model of images takes KServe v2 BYTES
+inputs, or one photo as the whole body (frontend/kserve.py). Errors are ``{"error": "..."}`` with 400
 (bad input), 401 (no or a wrong API key, with ``--api-key-file``), 404 (unknown model or path), 408 (headers
-or body too slow), 413 (body too large), 503 (overloaded, not ready, worker died), 504 (timeout), 500 (anything
-else). frontend/connections.py bounds what slow or many clients can hold in connections and time, and
-frontend/limits.py what their bodies can: time, pace and memory.
+or body too slow), 413 (body, or a photo, too large), 415 (a photo sent to a model of tensors), 503
+(overloaded, not ready, worker died), 504 (timeout), 500 (anything else). frontend/connections.py bounds
+what slow or many clients can hold in connections and time, and frontend/limits.py what their bodies can:
+time, pace and memory.
 """
 
 from __future__ import annotations
@@ -181,10 +183,12 @@ class Frontend:
     async def infer(self, request: web.Request) -> web.Response:
         info = self._model(request)
         client = self._client()
+        header_length = request.headers.get(HEADER_LENGTH)
+        image_body = kserve.is_image_body(request.content_type, header_length, info)
         async with request_body(request, self.bodies, self.settings) as body:
-            req = kserve.parse_infer(body, request.headers.get(HEADER_LENGTH), info)
+            req = kserve.parse_image_body(body, info) if image_body else kserve.parse_infer(body, header_length, info)
             try:
-                out = await client.infer(info.name, req.inputs, req.timeout_s)
+                out = await client.infer(info.name, req.payload(), req.timeout_s)
             except ShmBrokerError as exc:
                 raise HttpError(status_of(exc), str(exc)) from None
         outputs = out if isinstance(out, dict) else {info.outputs[0].name: out}

@@ -9,6 +9,7 @@ import contextlib
 import http.client
 import os
 import re
+import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -136,6 +137,22 @@ def broker_with_gateway(tmp: Path, *extra: str) -> Iterator[tuple[RunningBroker,
         raise
     assert stop_inline(proc) == 0, (tmp / "inline.log").read_text()[-3000:]
     assert b.stop_released() == 0, b.log()
+
+
+C_EXAMPLE = REPO / "examples" / "c"
+
+
+def have_libzmq() -> bool:
+    """Whether examples/c can be built here: a C compiler and libzmq's headers (.ci/run installs both)."""
+    return shutil.which("cc") is not None and (
+        subprocess.run(["pkg-config", "--exists", "libzmq"], check=False).returncode == 0
+        if shutil.which("pkg-config") else Path("/usr/include/zmq.h").exists())
+
+
+def build_c_client(out: Path) -> Path:
+    """examples/c built with its Makefile into ``out``; the program's path."""
+    subprocess.run(["make", "-s", "-C", str(C_EXAMPLE), f"OUT={out}"], check=True)
+    return out / "shmb_client"
 
 
 def inline_envelope(kind: int) -> bytes:

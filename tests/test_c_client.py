@@ -4,7 +4,6 @@ built with its Makefile, run as a separate process, its printed scores compared 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,26 +12,15 @@ import numpy as np
 import pytest
 
 from shmbroker.client import Client
-from tests.conftest import REPO, RunningBroker
-from tests.frontends import broker_with_gateway
+from tests.conftest import RunningBroker
+from tests.frontends import broker_with_gateway, build_c_client, have_libzmq
 
-EXAMPLE = REPO / "examples" / "c"
-
-
-def _have_libzmq() -> bool:
-    return shutil.which("cc") is not None and (
-        subprocess.run(["pkg-config", "--exists", "libzmq"], check=False).returncode == 0
-        if shutil.which("pkg-config") else Path("/usr/include/zmq.h").exists())
-
-
-pytestmark = pytest.mark.skipif(not _have_libzmq(), reason="needs a C compiler and libzmq3-dev (.ci/run installs them)")
+pytestmark = pytest.mark.skipif(not have_libzmq(), reason="needs a C compiler and libzmq3-dev (.ci/run installs them)")
 
 
 @pytest.fixture(scope="module")
 def binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("cbuild")
-    subprocess.run(["make", "-s", "-C", str(EXAMPLE), f"OUT={out}"], check=True)
-    return out / "shmb_client"
+    return build_c_client(tmp_path_factory.mktemp("cbuild"))
 
 
 @pytest.fixture(scope="module")

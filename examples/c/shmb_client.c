@@ -2,9 +2,11 @@
  *
  *   shmb_client MODEL INPUT.f32            prints one line per row: the model's first output, "%.9g" each
  *   shmb_client --inline MODEL INPUT.f32   the same through `shmbroker inline`: tensors in frames, no shm
+ *   shmb_client [--inline] MODEL A.jpg B.png ...   a model of images (input kind "image"): one row per file
  *
  * INPUT.f32 is raw little-endian float32, C order, whole rows of the model's first input (nsfw: N x 224 x
- * 224 x 3). One session with one slot: HELLO -> SETUP -> the ring's descriptor from rings.sock (SCM_RIGHTS),
+ * 224 x 3). Image files go as they are, in one request: the §4.6 row table and the files' bytes in the slot, or
+ * one frame per image inline (§10); the worker decodes them. One session with one slot: HELLO -> SETUP -> the ring's descriptor from rings.sock (SCM_RIGHTS),
  * mmap, flock LOCK_SH ->
  * ATTACHED -> READY -> link the worker (PULL + monitor, PUSH) -> write the slot (inputs, header, state word
  * last) -> SUBMIT -> DONE -> read the outputs in place -> BYE. Exit status: 0 ok, 1 usage or local error,
@@ -224,29 +226,32 @@ static void link_worker(void *ctx, const char *endpoint, const char *reply, void
     zmq_close(mon);
 }
 
-static float *read_input(const char *path, size_t *len) {
+static void *read_input(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
     if (!f) die(1, "cannot open the input file");
     fseek(f, 0, SEEK_END);
     long n = ftell(f);
     fseek(f, 0, SEEK_SET);
-    float *buf = malloc(n > 0 ? (size_t)n : 1);
+    void *buf = malloc(n > 0 ? (size_t)n : 1);
     if (!buf || n <= 0 || fread(buf, 1, (size_t)n, f) != (size_t)n) die(1, "cannot read the input file");
     fclose(f);
     *len = (size_t)n;
     return buf;
 }
 
-/* The model's id and its first input's item shape (float32 only, one input) from SETUP.models */
-static uint32_t find_model(const js_doc *d, const char *model, int64_t *dims, uint8_t *ndim, const char **in_name) {
+/* The model's id and its first input's item shape (one input: float32, or encoded images) from SETUP.models;
+   *image: 1 when the input's kind is "image" (§2.2: dtype uint8, shape [-1], one encoded image a row) */
+static uint32_t find_model(const js_doc *d, const char *model, int64_t *dims, uint8_t *ndim, const char **in_name,
+                           int *image) {
     int models = js_get(d, 0, "models");
     for (int k = 0; js_at(d, models, k) >= 0; k++) {
         int m = js_at(d, models, k);
         if (strcmp(js_str(d, js_get(d, m, "name")), model) != 0) continue;
         int inputs = js_get(d, m, "inputs");
         int in0 = js_at(d, inputs, 0);
-        if (d->nodes[inputs].size != 1 || strcmp(js_str(d, js_get(d, in0, "dtype")), "float32") != 0)
-            die(1, "this example handles models with one float32 input");
+        *image = strcmp(js_str(d, js_get(d, in0, "kind")), "image") == 0;
+        if (d->nodes[inputs].size != 1 || (!*image && strcmp(js_str(d, js_get(d, in0, "dtype")), "float32") != 0))
+            die(1, "this example handles models with one float32 input, or one input of images");
         *in_name = js_str(d, js_get(d, in0, "name"));
         int shape = js_get(d, in0, "shape");
         *ndim = (uint8_t)d->nodes[shape].size;
@@ -315,10 +320,28 @@ static int kind_of(zmq_msg_t *env) {
     return zmq_msg_size(env) == 4 && (e[0] | e[1] << 8) == PROTOCOL ? e[2] | e[3] << 8 : -1;
 }
 
-/* §10: the same request with the tensor bytes in frames, through `shmbroker inline` (no shared memory) */
-static int inline_main(const char *model, const char *input) {
-    size_t in_len;
-    float *x = read_input(input, &in_len);
+/* The image files of a request: their bytes and lengths */
+typedef struct { int n; void **data; size_t *len; } images_t;
+
+static images_t read_images(int n, char **paths) {
+    images_t im = {n, calloc((size_t)n, sizeof(void *)), calloc((size_t)n, sizeof(size_t))};
+    if (!im.data || !im.len) die(1, "out of memory");
+    for (int i = 0; i < n; i++) im.data[i] = read_input(paths[i], &im.len[i]);
+    return im;
+}
+
+static void free_images(images_t *im) {
+    for (int i = 0; i < im->n; i++) free(im->data[i]);
+    free(im->data);
+    free(im->len);
+}
+
+/* §10: the same request with the tensor bytes in frames, through `shmbroker inline` (no shared memory); a model
+   of images gets one frame per file */
+static int inline_main(const char *model, int nfiles, char **files) {
+    size_t in_len = 0;
+    void *x = NULL;
+    images_t im = {0, NULL, NULL};
     char dir[4096], addr[4200], json[1024];
     runtime_dir(dir, sizeof dir);
     snprintf(addr, sizeof addr, "ipc://%s/inline.sock", dir);
@@ -335,18 +358,32 @@ static int inline_main(const char *model, const char *input) {
     int64_t dims[8] = {0};
     uint8_t ndim = 0;
     const char *in_name;
-    find_model(&models, model, dims, &ndim, &in_name);
-    uint64_t item = 4;
-    for (int i = 1; i < ndim; i++) item *= (uint64_t)dims[i];
-    if (in_len == 0 || in_len % item) die(1, "the input file is not whole rows of the model's input");
-    int len = snprintf(json, sizeof json, "{\"id\":1,\"model\":\"%s\",\"inputs\":[{\"name\":\"%s\",\"dtype\":\"float32\","
-                       "\"shape\":[%" PRIu64, model, in_name, (uint64_t)(in_len / item));
-    for (int i = 1; i < ndim; i++) len += snprintf(json + len, sizeof json - (size_t)len, ",%" PRId64, dims[i]);
-    len += snprintf(json + len, sizeof json - (size_t)len, "]}]}");
+    int image = 0, len;
+    find_model(&models, model, dims, &ndim, &in_name, &image);
     uint8_t env[4] = {PROTOCOL, 0, INLINE_REQUEST, 0};
-    if (zmq_send(sock, env, 4, ZMQ_SNDMORE) != 4 || zmq_send(sock, json, (size_t)len, ZMQ_SNDMORE) != len
-        || zmq_send(sock, x, in_len, 0) != (int)in_len)
-        die(1, "zmq_send failed");
+    if (image) { /* shape [N], then N frames: one image each, its file's bytes as they are */
+        im = read_images(nfiles, files);
+        len = snprintf(json, sizeof json, "{\"id\":1,\"model\":\"%s\",\"inputs\":[{\"name\":\"%s\",\"dtype\":\"uint8\","
+                       "\"shape\":[%d]}]}", model, in_name, nfiles);
+        if (zmq_send(sock, env, 4, ZMQ_SNDMORE) != 4 || zmq_send(sock, json, (size_t)len, ZMQ_SNDMORE) != len)
+            die(1, "zmq_send failed");
+        for (int i = 0; i < nfiles; i++)
+            if (zmq_send(sock, im.data[i], im.len[i], i + 1 < nfiles ? ZMQ_SNDMORE : 0) != (int)im.len[i])
+                die(1, "zmq_send failed");
+    } else {
+        if (nfiles != 1) die(1, "a model of tensors takes one input file");
+        x = read_input(files[0], &in_len);
+        uint64_t item = 4;
+        for (int i = 1; i < ndim; i++) item *= (uint64_t)dims[i];
+        if (in_len == 0 || in_len % item) die(1, "the input file is not whole rows of the model's input");
+        len = snprintf(json, sizeof json, "{\"id\":1,\"model\":\"%s\",\"inputs\":[{\"name\":\"%s\",\"dtype\":\"float32\","
+                       "\"shape\":[%" PRIu64, model, in_name, (uint64_t)(in_len / item));
+        for (int i = 1; i < ndim; i++) len += snprintf(json + len, sizeof json - (size_t)len, ",%" PRId64, dims[i]);
+        len += snprintf(json + len, sizeof json - (size_t)len, "]}]}");
+        if (zmq_send(sock, env, 4, ZMQ_SNDMORE) != 4 || zmq_send(sock, json, (size_t)len, ZMQ_SNDMORE) != len
+            || zmq_send(sock, x, in_len, 0) != (int)in_len)
+            die(1, "zmq_send failed");
+    }
     for (int i = 0; i < n; i++) zmq_msg_close(&parts[i]);
     n = recv_n(sock, parts, 16);
     if (n < 2 || kind_of(&parts[0]) != INLINE_REPLY) die(1, "unexpected answer to INLINE_REQUEST");
@@ -373,14 +410,18 @@ static int inline_main(const char *model, const char *input) {
     zmq_close(sock);
     zmq_ctx_term(ctx);
     free(x);
+    free_images(&im);
     return 0;
 }
 
 int main(int argc, char **argv) {
-    if (argc == 4 && strcmp(argv[1], "--inline") == 0) return inline_main(argv[2], argv[3]);
-    if (argc != 3) die(1, "usage: shmb_client [--inline] MODEL INPUT.f32");
-    size_t in_len;
-    float *x = read_input(argv[2], &in_len);
+    const char *usage = "usage: shmb_client [--inline] MODEL INPUT.f32 | shmb_client [--inline] MODEL IMAGE...";
+    int inline_mode = argc > 1 && strcmp(argv[1], "--inline") == 0;
+    if (argc < 3 + inline_mode) die(1, usage);
+    if (inline_mode) return inline_main(argv[2], argc - 3, argv + 3);
+    size_t in_len = 0;
+    void *x = NULL;
+    images_t im = {0, NULL, NULL};
     char dir[4096], addr[4200], json[256];
     runtime_dir(dir, sizeof dir);
     snprintf(addr, sizeof addr, "ipc://%s/broker.sock", dir);
@@ -406,13 +447,38 @@ int main(int argc, char **argv) {
     int64_t dims[8] = {0};
     uint8_t ndim = 0;
     const char *in_name;
-    uint32_t model_id = find_model(&setup, argv[1], dims, &ndim, &in_name);
-    uint64_t item = 4;
-    for (int i = 1; i < ndim; i++) item *= (uint64_t)dims[i];
-    if (in_len == 0 || in_len % item) die(1, "the input file is not whole rows of the model's input");
-    dims[0] = (int64_t)(in_len / item);
-    if ((uint64_t)dims[0] > (uint64_t)js_int(&setup, js_get(&setup, 0, "max_items"), 0) || in_len > s.in_cap)
-        die(1, "more rows than this session's max_items");
+    int image = 0;
+    uint32_t model_id = find_model(&setup, argv[1], dims, &ndim, &in_name, &image);
+    uint8_t dtype = 1; /* float32; an input of images is uint8 (§4.6) */
+    if (image) {
+        /* §4.6: the row table (offset, length: u64 each, from the input's start), then the images in order.
+           Their lengths are the worker's to check against max_bytes; the slot must only hold them. */
+        im = read_images(argc - 2, argv + 2);
+        in_len = 16 * (uint64_t)im.n;
+        for (int i = 0; i < im.n; i++) in_len += im.len[i];
+        if ((uint64_t)im.n > (uint64_t)js_int(&setup, js_get(&setup, 0, "max_items"), 0) || in_len > s.in_cap)
+            die(1, "the images do not fit one slot: more rows than this session's max_items, or past in_capacity");
+        x = malloc(in_len);
+        if (!x) die(1, "out of memory");
+        uint64_t at = 16 * (uint64_t)im.n;
+        for (int i = 0; i < im.n; i++) {
+            uint64_t row[2] = {at, im.len[i]};
+            memcpy((uint8_t *)x + 16 * (uint64_t)i, row, 16);
+            memcpy((uint8_t *)x + at, im.data[i], im.len[i]);
+            at += im.len[i];
+        }
+        dims[0] = im.n;
+        dtype = 5;
+    } else {
+        if (argc != 3) die(1, usage);
+        x = read_input(argv[2], &in_len);
+        uint64_t item = 4;
+        for (int i = 1; i < ndim; i++) item *= (uint64_t)dims[i];
+        if (in_len == 0 || in_len % item) die(1, "the input file is not whole rows of the model's input");
+        dims[0] = (int64_t)(in_len / item);
+        if ((uint64_t)dims[0] > (uint64_t)js_int(&setup, js_get(&setup, 0, "max_items"), 0) || in_len > s.in_cap)
+            die(1, "more rows than this session's max_items");
+    }
 
     n = snprintf(json, sizeof json, "{\"session_id\":%u}", s.session_id);
     send2(ctl, ATTACHED, json, (size_t)n);
@@ -444,7 +510,7 @@ int main(int argc, char **argv) {
     uint8_t msg[24 + 32 + 88];
     submit_hdr_t sh = {s.session_id, 1, 1, 0, s.token};
     request_rec_t rq = {rid, 0, gen, model_id, 0, 1, 0};
-    tensor_desc_t td = {0, 1, ndim, 0, 0, in_len, {0}};
+    tensor_desc_t td = {0, dtype, ndim, 0, 0, in_len, {0}};
     memcpy(td.dims, dims, sizeof td.dims);
     memcpy(msg, &sh, 24);
     memcpy(msg + 24, &rq, 32);
@@ -468,5 +534,6 @@ int main(int argc, char **argv) {
     js_free(&setup);
     js_free(&ready);
     free(x);
+    free_images(&im);
     return 0;
 }
