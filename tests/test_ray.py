@@ -108,6 +108,7 @@ def _serve_running() -> bool:
 def rc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
     """Two brokers, a two-node Ray cluster (one CPU each: Serve's controller and proxy take none), and the
     deployment of two replicas, one a node; all stopped at the end, no ring left held."""
+    usage_stats = os.environ.get("RAY_USAGE_STATS_ENABLED")
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no report leaves the machine
     nodes: list[Node] = []
     cluster = None
@@ -132,6 +133,10 @@ def rc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
             ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
+        if usage_stats is None:
+            os.environ.pop("RAY_USAGE_STATS_ENABLED", None)
+        else:
+            os.environ["RAY_USAGE_STATS_ENABLED"] = usage_stats
         for n in nodes:
             assert n.broker.stop_released() == 0, n.broker.log()
 
