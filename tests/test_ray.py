@@ -77,9 +77,10 @@ class Node:
     tmp: Path
     broker: RunningBroker
 
-    def ok(self) -> int:
-        """Requests this node's broker answered OK since it started."""
-        return sum(m.requests.get("OK", 0) for w in self.broker.stats().workers for m in w.models)
+    def ok(self, model: str = "") -> int:
+        """Requests (of ``model``, or any) this node's broker answered OK since it started."""
+        return sum(m.requests.get("OK", 0) for w in self.broker.stats().workers for m in w.models
+                   if m.name == model or not model)
 
     def restart(self) -> None:
         self.broker = start_broker(self.tmp, "process", models=MODELS, sessions=SESSIONS)
@@ -480,3 +481,30 @@ def test_a_node_whose_broker_dies_under_load(rc: RayCluster) -> None:
         f"node b served the first request sent after node a's broker was killed {failover_s:.2f} s after the kill; "
         f"the bound is {FAILOVER_BOUND_S:g} s")
     wait_until(_serve_running, "the shmbroker application RUNNING with both replicas", 60)
+
+
+def test_a_new_model_rolls_out_one_node_at_a_time(rc: RayCluster) -> None:
+    """DEPLOY.md's roll-out: each node's broker restarted in turn on a config with one more model. A session
+    cannot take its old place on a broker of other models, so the node's replica fails its health checks and
+    Ray Serve replaces it with one that sees the new model; meanwhile the other node serves the old ones."""
+    wait_until(_serve_running, "the shmbroker application RUNNING with both replicas", 60)
+    new_model = MODELS + '\n[models.tiny2]\npath = "builtin:tiny"\nmax_batch = 4\nintra_op_threads = 1\n'
+    x = tiny_inputs(1, seed=7)[0]
+
+    async def outcomes(model: str, n: int) -> collections.Counter[str]:
+        bh = BrokerHandle(rc.handle, coalesce=1)
+        got = await asyncio.gather(*(bh.infer(model, x, timeout=30) for _ in range(n)), return_exceptions=True)
+        return collections.Counter("OK" if isinstance(g, np.ndarray) else f"{type(g).__name__}: {g}" for g in got)
+
+    for name, node in zip("ab", rc.nodes, strict=True):
+        node.broker.stop()
+        node.broker = start_broker(node.tmp, "process", models=new_model, sessions=SESSIONS)
+
+        def serves_new_model(node: Node = node) -> bool:
+            run(outcomes("tiny2", 8))
+            return node.ok("tiny2") > 0
+
+        wait_until(serves_new_model, f"node {name}'s broker answering the new model through Ray", 120)
+    # each node's replica is the new one (one replica a node: the old one is gone), and serves every model
+    assert run(outcomes("tiny2", 16)) == {"OK": 16}
+    assert run(outcomes("tiny", 16)) == {"OK": 16}
