@@ -123,19 +123,20 @@ def http_body(x: np.ndarray) -> tuple[bytes, dict[str, str]]:
 
 
 async def measure(progress: Progress, runtime_dir: Path, handle: Any, url: str, warmup_s: float,
-                  window_s: float) -> dict[str, Figures]:
+                  window_s: float, rows: int) -> dict[str, Figures]:
     import aiohttp
 
     from shmbroker.client import AsyncClient
     from shmbroker.ray import BrokerHandle
 
-    x = np.full((1, 256), 0.25, np.float32)
+    x = np.full((rows, 256), 0.25, np.float32)
     body, headers = http_body(x)
     points: dict[str, Figures] = {}
 
     async def point(name: str, call: Callable[[], Awaitable[object]]) -> None:
         progress.phase(f"{name}: {IN_FLIGHT} in flight, {warmup_s:g} s warm-up, {window_s:g} s window")
         f = points[name] = await chains(call, warmup_s, window_s)
+        f["rows_per_s"] = round(f["per_s"] * rows, 1)
         if not f["completed"]:
             raise BenchError(f"{name}: no request completed inside the window; errors {f['error_types']}")
         progress.done(f"{f['per_s']:,.1f}/s, p50 {f['latency']['p50_us']:,.0f} us, "
@@ -177,7 +178,7 @@ def summary(points: dict[str, Figures]) -> Figures:
 def table(doc: Figures) -> str:
     env = " ".join(f"{k}={v}" for k, v in doc["ray_serve_env"].items()) or "Serve's defaults"
     lines = [f"Ray Serve ({doc['ray_version']}, one node, {env}) vs the direct AsyncClient, {MODEL}, {IN_FLIGHT} in "
-             "flight",
+             f"flight, {doc['rows']} row(s) a request",
              f"{'path':<16} {'per s':>10} {'p50 us':>9} {'p99 us':>9} {'CPU us/req':>11} {'errors':>7}", "-" * 66]
     for name, p in doc["points"].items():
         lines.append(f"{name:<16} {p['per_s']:>10,.1f} {p['latency']['p50_us']:>9,.0f} {p['latency']['p99_us']:>9,.0f} "
@@ -207,7 +208,8 @@ def run(args: argparse.Namespace) -> Figures:
     doc: Figures = {"schema": "shmbroker-bench-ray/1", "machine": machine(), "ray_version": ray.__version__,
                     # Serve's own switches, as set for this run (RAY_SERVE_THROUGHPUT_OPTIMIZED, ...)
                     "ray_serve_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_SERVE_")},
-                    "model": MODEL, "in_flight": IN_FLIGHT, "window_s": window_s, "warmup_s": warmup_s,
+                    "model": MODEL, "in_flight": IN_FLIGHT, "rows": args.rows, "window_s": window_s,
+                    "warmup_s": warmup_s,
                     "config": CONFIG, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     with BrokerProcess(cfg, workdir, progress) as broker:
         progress.phase("starting one Ray node and the shmbroker application (Serve controller, HTTP proxy, replica)")
@@ -225,7 +227,7 @@ def run(args: argparse.Namespace) -> Figures:
             async def measured() -> dict[str, Figures]:
                 try:
                     return await measure(progress, broker.runtime_dir, handle, f"http://127.0.0.1:{port}", warmup_s,
-                                         window_s)
+                                         window_s, args.rows)
                 finally:  # on the loop that the handle's router may live on (RAY_SERVE_THROUGHPUT_OPTIMIZED=1)
                     await serve.shutdown_async()
 
@@ -241,10 +243,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--duration", type=float, default=None, metavar="SECONDS",
                     help="each window (default 5, 2 with --quick)")
     ap.add_argument("--quick", action="store_true", help="2 s windows after 0.5 s of warm-up")
+    ap.add_argument("--rows", type=int, default=1, metavar="N",
+                    help="rows a request (default 1; at most 64, tiny's max_batch): Ray's cost is a call's, not a "
+                         "row's")
     ap.add_argument("--out", default=None, metavar="FILE", help="write the JSON document to FILE too")
 
 
 def main(args: argparse.Namespace) -> int:
+    if not 1 <= args.rows <= 64:
+        sys.stderr.write(f"shmbroker bench --ray: --rows: expected 1..64 (tiny's max_batch), got {args.rows}\n")
+        return 2
     try:
         import ray  # noqa: F401 -- the [ray] extra, named when missing
     except ImportError:

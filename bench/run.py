@@ -100,6 +100,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ray", action="store_true",
                     help="Ray Serve's handle and HTTP proxy against the direct client instead (bench/ray_bench.py; "
                          "needs the [ray] extra)")
+    ap.add_argument("--rows", type=int, default=1, metavar="N", help="--ray: rows a request (default 1)")
     ap.add_argument("--gpu", action="store_true",
                     help="the GPU benchmark instead (bench/gpu.py; default config bench/gpu.toml; see bench/README.md)")
     ap.add_argument("--processes", type=int, default=16, help="--gpu: client processes (default 16)")

@@ -25,10 +25,12 @@ def test_ray_bench_reports_every_path_and_the_ratios(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert doc["schema"] == "shmbroker-bench-ray/1" and doc["in_flight"] == 32 and doc["model"] == "tiny"
+    assert doc["rows"] == 1
     assert list(doc["points"]) == ["direct", "handle", "handle_per_call", "http", "direct_again"]
     for name, p in doc["points"].items():
         assert p["completed"] > 0 and p["errors"] == 0, (name, p)
         assert p["cpu_us_per_request"] > 0 and p["latency"]["samples"] == p["completed"], (name, p)
+        assert p["rows_per_s"] == p["per_s"], (name, p)
     s = doc["summary"]
     direct = (doc["points"]["direct"]["per_s"] + doc["points"]["direct_again"]["per_s"]) / 2
     assert s["handle_over_direct"] == round(doc["points"]["handle"]["per_s"] / direct, 3)
