@@ -382,8 +382,10 @@ def test_build_app_names_a_wrong_argument() -> None:
         build_app({"node": 2})
     with pytest.raises(ValueError, match=r"nodes='two': expected int"):
         build_app({"nodes": "two"})
-    with pytest.raises(ValueError, match=r"nodes=0: expected the number of broker nodes"):
+    with pytest.raises(ValueError, match=r"nodes=0: expected at least 1"):
         build_app({"nodes": 0})
+    with pytest.raises(ValueError, match=r"startup_wait_s=0.0: expected seconds, more than 0"):
+        build_app({"startup_wait_s": "0"})
     opts = node_broker.options(num_replicas=3)
     assert opts.num_replicas == 3 and node_broker.ray_actor_options["resources"] == {NODE_RESOURCE: 0.01}
 

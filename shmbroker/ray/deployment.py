@@ -46,8 +46,13 @@ def build_app(args: Mapping[str, object]) -> Any:
             values[key] = ARGS[key](str(value))
         except ValueError:
             raise ValueError(f"shmbroker.ray:build_app: {key}={value!r}: expected {ARGS[key].__name__}") from None
+    least = {"nodes": 1, "slots": 1, "max_items": 0}  # checked here, at deploy time: a replica that cannot
+    for key, low in least.items():  # start would be retried by Serve forever
+        if key in values and values[key] < low:
+            raise ValueError(f"shmbroker.ray:build_app: {key}={values[key]}: expected at least {low}")
+    if "startup_wait_s" in values and not values["startup_wait_s"] > 0:
+        raise ValueError(f"shmbroker.ray:build_app: startup_wait_s={values['startup_wait_s']}: expected seconds, "
+                         "more than 0")
     nodes = values.pop("nodes", 1)
-    if nodes < 1:
-        raise ValueError(f"shmbroker.ray:build_app: nodes={nodes}: expected the number of broker nodes, at least 1")
     kwargs = {"slots": DEFAULT_SLOTS, "max_items": 0, "startup_wait_s": STARTUP_WAIT_S, **values}
     return node_broker.options(num_replicas=nodes).bind(**kwargs)
