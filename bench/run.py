@@ -97,6 +97,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--http", action="store_true",
                     help="the HTTP front-end against the ring client instead (bench/http_bench.py, bench/README.md)")
     ap.add_argument("--http-workers", type=int, default=2, help="--http: front-end processes (default 2)")
+    ap.add_argument("--ray", action="store_true",
+                    help="Ray Serve's handle and HTTP proxy against the direct client instead (bench/ray_bench.py; "
+                         "needs the [ray] extra)")
+    ap.add_argument("--rows", type=int, default=1, metavar="N", help="--ray: rows a request (default 1)")
     ap.add_argument("--gpu", action="store_true",
                     help="the GPU benchmark instead (bench/gpu.py; default config bench/gpu.toml; see bench/README.md)")
     ap.add_argument("--processes", type=int, default=16, help="--gpu: client processes (default 16)")
@@ -339,6 +343,10 @@ def main(args: argparse.Namespace) -> int:
         from shmbroker.bench.http_bench import main as http_main
 
         return http_main(args)
+    if args.ray:
+        from shmbroker.bench.ray_bench import main as ray_main
+
+        return ray_main(args)
     if args.plot:
         try:
             plot.require()  # before minutes of measuring, not after

@@ -1,9 +1,10 @@
 """The KServe v2 / Triton HTTP inference protocol's bodies: parse an infer request, build its response.
 
-Pure functions over bytes and numpy arrays, no I/O, so the front-end process (frontend/server.py) stays
-a thin adapter. Supported: JSON tensors (flat or nested ``data`` in row-major order) and the binary
-tensor data extension: a JSON header of ``Inference-Header-Content-Length`` bytes, then each binary
-input's bytes in input order, sized by its ``parameters.binary_data_size``. Outputs are binary when the
+Pure functions over bytes and numpy arrays, no I/O, so the front-ends stay thin adapters: the front-end
+process (frontend/server.py, aiohttp) and the Ray Serve replica (shmbroker/ray/http.py, Starlette); an error's
+HTTP status is ``status_of`` for both. Supported: JSON tensors (flat or nested ``data`` in row-major order)
+and the binary tensor data extension: a JSON header of ``Inference-Header-Content-Length`` bytes, then each
+binary input's bytes in input order, sized by its ``parameters.binary_data_size``. Outputs are binary when the
 output asks ``parameters.binary_data``, else when the request asks ``parameters.binary_data_output``.
 An input of encoded images (kind "image") is a ``BYTES`` tensor of shape [N] or [N, 1] in the binary data, each
 element a 4-byte little-endian length then that many bytes (one image each); or, for one photo, the whole body
@@ -21,6 +22,7 @@ import msgspec
 import numpy as np
 
 from shmbroker.broker.common import protocol as P
+from shmbroker.client.errors import BadInput, Overloaded, RequestTimeout, ShmBrokerError, UnknownModel, WorkerDied
 
 # KServe v2 datatype <-> the broker's numpy dtype names (TensorSpec.dtype); the DType names already match
 DATATYPE_OF: dict[str, str] = {np.dtype(P.numpy_dtype(d)).name: d.name for d in P.DType}
@@ -34,6 +36,7 @@ JSON_TYPE = "application/json"
 # `curl --data-binary @photo.jpg URL` works too. Any other body is a KServe v2 request.
 IMAGE_TYPES = ("image/jpeg", "image/png")
 RAW_TYPES = (*IMAGE_TYPES, "application/octet-stream", "application/x-www-form-urlencoded")
+HEADER_LENGTH = "Inference-Header-Content-Length"  # the binary extension's header: the JSON part's length
 
 
 class HttpError(Exception):
@@ -43,6 +46,20 @@ class HttpError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+def status_of(exc: ShmBrokerError) -> int:
+    """The HTTP status of a ring client error: 400 bad input, 404 unknown model, 503 overloaded or worker died,
+    504 timeout, 500 anything else."""
+    if isinstance(exc, BadInput):
+        return 400
+    if isinstance(exc, UnknownModel):
+        return 404
+    if isinstance(exc, Overloaded | WorkerDied):
+        return 503
+    if isinstance(exc, RequestTimeout):
+        return 504
+    return 500
 
 
 def bad(message: str) -> HttpError:

@@ -32,16 +32,15 @@ from aiohttp import web
 from shmbroker.broker.common import proc
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.ask import ask_broker
-from shmbroker.client import AsyncClient, BadInput, Overloaded, RequestTimeout, ShmBrokerError, UnknownModel, WorkerDied
+from shmbroker.client import AsyncClient, ShmBrokerError
 from shmbroker.frontend import kserve
 from shmbroker.frontend.connections import ConnectionGuard, accept_batch
-from shmbroker.frontend.kserve import HttpError
+from shmbroker.frontend.kserve import HEADER_LENGTH, HttpError, status_of
 from shmbroker.frontend.limits import BodyBudget, request_body
 from shmbroker.frontend.settings import Settings
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
-HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_ITEMS_SETTING = "shmbroker http --max-items"  # what a BAD_SHAPE answer over the session's rows names
 SLOTS_SETTING = "shmbroker http --slots"  # what a wait for a slot that timed out names
 PID_HEADER = "X-Shmbroker-Frontend-Pid"  # which front-end process answered (tests check that several share a port)
@@ -51,19 +50,6 @@ OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})  # answered with
 KEEPALIVE_S = 75.0
 FD_SLACK = 16  # descriptors that come and go beside the counted ones: the executor's questions to the broker
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def status_of(exc: ShmBrokerError) -> int:
-    """The HTTP status of a ring client error."""
-    if isinstance(exc, BadInput):
-        return 400
-    if isinstance(exc, UnknownModel):
-        return 404
-    if isinstance(exc, Overloaded | WorkerDied):
-        return 503
-    if isinstance(exc, RequestTimeout):
-        return 504
-    return 500
 
 
 def _json(doc: object, status: int = 200) -> web.Response:

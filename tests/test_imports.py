@@ -1,6 +1,7 @@
-"""The import graph of the production packages: no cycles between modules, bench out of production code, and a
-command parser that loads neither bench nor the client library nor an inference runtime. In tests/, no module
-imports a test module: shared helpers live in tests/conftest.py or a helper module (tests/models.py, ...)."""
+"""The import graph of the production packages: no cycles between modules, bench out of production code, Ray in
+shmbroker.ray alone, and a command parser that loads neither bench nor the client library nor an inference
+runtime. In tests/, no module imports a test module: shared helpers live in tests/conftest.py or a helper module
+(tests/models.py, ...)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,17 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-PACKAGES = ("broker", "gpu_worker", "client", "frontend")  # production code: shmbroker.<folder>
+PACKAGES = ("broker", "gpu_worker", "client", "frontend", "ray")  # production code: shmbroker.<folder>
 TOP_NAMES = ("broker", "gpu_worker", "client", "frontend", "bench", "configs")  # folders, never import names
 
 
 def _modules() -> dict[str, Path]:
+    """Every production module by name, read through shmbroker/ (its links to the role folders, and shmbroker/ray)."""
     out = {"shmbroker": REPO / "shmbroker" / "__init__.py"}
     for package in PACKAGES:
-        for path in (REPO / package).rglob("*.py"):
-            parts = ("shmbroker", *path.relative_to(REPO).with_suffix("").parts)
+        folder = REPO / "shmbroker" / package
+        for path in folder.rglob("*.py"):
+            parts = ("shmbroker", package, *path.relative_to(folder).with_suffix("").parts)
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
@@ -113,6 +116,27 @@ def test_only_the_cli_imports_bench_and_only_inside_the_bench_command() -> None:
     offenders = {m for m, path in _modules().items()
                  if any(n == "shmbroker.bench" or n.startswith("shmbroker.bench.") for n in _absolute_imports(path))}
     assert offenders == {"shmbroker.broker.cli"}
+
+
+def test_only_shmbroker_ray_imports_ray() -> None:
+    """Ray is the [ray] extra's: no other production module names it, lazily or not, nor any bench module but
+    the benchmark of that extra (bench/ray_bench.py, which `shmbroker bench --ray` loads when it runs)."""
+    offenders = {m for m, path in _modules().items() if not (m == "shmbroker.ray" or m.startswith("shmbroker.ray."))
+                 and any(n.split(".")[0] in ("ray", "starlette") for n in _absolute_imports(path))}
+    offenders |= {p.name for p in (REPO / "bench").glob("*.py") if p.name != "ray_bench.py"
+                  and any(n.split(".")[0] in ("ray", "starlette") for n in _absolute_imports(p))}
+    assert offenders == set()
+    users = {m for m, path in _modules().items() if not m.startswith("shmbroker.ray")
+             and any(n == "shmbroker.ray" or n.startswith("shmbroker.ray.") for n in _absolute_imports(path))}
+    assert users == set()
+
+
+def test_the_core_loads_no_ray() -> None:
+    """The client, the broker, its worker and the front-ends run where Ray is not installed."""
+    code = ("import sys, shmbroker.client, shmbroker.broker.cli, shmbroker.broker.serving.service, "
+            "shmbroker.gpu_worker.worker, shmbroker.frontend.server, shmbroker.frontend.kserve; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'starlette'}))")
+    assert _python(code) == "[]"
 
 
 def test_everything_imports_through_the_one_name_shmbroker() -> None:
