@@ -256,6 +256,32 @@ def test_answers_over_the_http_proxy_are_the_direct_clients(rc: RayCluster) -> N
         client.close()
 
 
+def test_photos_over_the_http_proxy_are_the_direct_clients(rc: RayCluster) -> None:
+    """A photo POSTed as the body, and photos as a KServe v2 BYTES input, answer as the direct client does."""
+    photos = [jpeg(s) for s in range(2)]
+    want = _direct(rc, "nsfw_photo", photos)
+    conn = rc.http()
+    try:
+        for photo, y in zip(photos, want, strict=True):
+            status, _, body = _post(conn, "/v2/models/nsfw_photo/infer", photo, {"Content-Type": "image/jpeg"})
+            assert status == 200, body
+            (out,) = json.loads(body)["outputs"]
+            np.testing.assert_array_equal(np.asarray(out["data"], np.float32).reshape(y.shape), y)
+        status, _, body = _post(conn, "/v2/models/nsfw_photo/infer", b"not a photo", {"Content-Type": "image/jpeg"})
+        assert status == 400 and b"not a JPEG or PNG" in body, body
+    finally:
+        conn.close()
+    client = rc.triton()
+    try:
+        inp = th.InferInput("image", [len(photos)], "BYTES")
+        inp.set_data_from_numpy(np.array(photos, dtype=np.object_), binary_data=True)
+        out = client.infer("nsfw_photo", [inp])
+        name = out.get_response()["outputs"][0]["name"]
+        np.testing.assert_array_equal(out.as_numpy(name), np.concatenate(want))
+    finally:
+        client.close()
+
+
 def test_both_nodes_serve_under_load(rc: RayCluster) -> None:
     """32 requests in flight through one BrokerHandle: every answer right, and each node's broker serves a fair
     share (Ray routes each call to the less loaded of two replicas)."""

@@ -97,9 +97,14 @@ def _model(node: NodeBroker, name: str, version: str | None) -> P.ModelInfo:
 
 async def _infer(node: NodeBroker, request: Request, info: P.ModelInfo) -> Response:
     body = await request.body()
-    req = kserve.parse_infer(body, request.headers.get(HEADER_LENGTH), info)
+    header_length = request.headers.get(HEADER_LENGTH)
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kserve.is_image_body(content_type, header_length, info):
+        req = kserve.parse_image_body(body, info)  # one photo as the body, as `shmbroker http` takes it
+    else:
+        req = kserve.parse_infer(body, header_length, info)
     try:
-        out = await node.infer(info.name, req.inputs, req.timeout_s)
+        out = await node.infer(info.name, req.payload(), req.timeout_s)
     except ShmBrokerError as exc:
         raise HttpError(status_of(exc), str(exc)) from None
     outputs = out if isinstance(out, dict) else {info.outputs[0].name: out}
