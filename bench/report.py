@@ -137,6 +137,7 @@ ROWS: list[tuple[str, str]] = [
     ("nsfw_inprocess_sweep", "nsfw in-process ORT sweep, best"),
     ("nsfw_inprocess", "nsfw in-process ORT, best shape+batch"),
     ("nsfw_throughput", "nsfw via broker, 4 procs x 4 in flight"),
+    ("photo_throughput", "nsfw_photo JPEGs via broker, 4 x 4"),
 ]
 
 
@@ -203,6 +204,8 @@ def table(doc: Figures) -> str:
         if key == "nsfw_inprocess_sweep":
             notes = f"{f.get('best_shape', '')}, batch {f['best_batch']} (" + ", ".join(
                 f"b{b}: {v['items_per_s']:.1f}" for b, v in f["by_batch"].items()) + ")"
+        elif key == "photo_throughput":
+            notes = f"{_num(per_s)} photos/s of {f.get('size', '?')} JPEGs, decoded by the worker"
         else:
             notes = _window_notes(f)
         if isinstance(f.get("machine_cpu_busy_pct"), int | float):
