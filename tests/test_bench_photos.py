@@ -54,7 +54,11 @@ def test_the_set_is_made_once_then_read_from_the_cache(tmp_path: Path, monkeypat
     loads: list[str] = []
 
     def loader(name: str, seed: int) -> Any:
-        return lambda: loads.append(name) or _gradient(seed)
+        def load() -> Image.Image:
+            loads.append(name)
+            return _gradient(seed)
+
+        return load
 
     monkeypatch.setattr(photoset, "sources", lambda: {"t/one": loader("one", 1), "t/two": loader("two", 2)})
     progress = Progress(io.StringIO())
