@@ -141,6 +141,10 @@ ROWS: list[tuple[str, str]] = [
 ]
 
 
+def _ms(us: Any) -> float | None:
+    return us / 1e3 if isinstance(us, int | float) else None
+
+
 def _window_notes(f: Figures) -> str:
     """Mean batch, the interleaved windows' figures (median shown) and the rounds' ratios."""
     parts = [f"mean batch {f['server_mean_batch']}"] if f.get("server_mean_batch") is not None else []
@@ -201,11 +205,13 @@ def table(doc: Figures) -> str:
         lat = f.get("latency", {})
         per_s = f.get("per_s", f.get("items_per_s"))
         notes = ""
-        if key == "nsfw_inprocess_sweep":
+        if key == "photo_throughput":  # a photo takes milliseconds: its latency goes in the notes, in ms
+            notes = (f"{_num(per_s)} photos/s of {f.get('size', '?')} JPEGs decoded by the worker, p50 "
+                     f"{_num(_ms(lat.get('p50_us')))} ms, p99 {_num(_ms(lat.get('p99_us')))} ms")
+            lat = {}
+        elif key == "nsfw_inprocess_sweep":
             notes = f"{f.get('best_shape', '')}, batch {f['best_batch']} (" + ", ".join(
                 f"b{b}: {v['items_per_s']:.1f}" for b, v in f["by_batch"].items()) + ")"
-        elif key == "photo_throughput":
-            notes = f"{_num(per_s)} photos/s of {f.get('size', '?')} JPEGs, decoded by the worker"
         else:
             notes = _window_notes(f)
         if isinstance(f.get("machine_cpu_busy_pct"), int | float):
