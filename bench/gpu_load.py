@@ -161,23 +161,56 @@ def client(spec: dict[str, Any], sync: Sync) -> Figures:
 
 
 def drive(spec: dict[str, Any], sync: Sync, make: Callable[[Client], Chains]) -> Figures:
-    """One client process's run: its session, ``make``'s chains (their window set once all processes are ready),
-    ``warmup_requests`` of their inputs first, then the window; the answers timed in it and the CPU time spent."""
-    model, in_flight = spec["model"], spec["in_flight"]
-    with Client(spec["runtime_dir"], slots=2 * in_flight, name=f"bench-gpu-{spec['index']}",
-                spin_us=spec.get("spin_us", 1000)) as c:
-        chains = make(c)
-        for _ in range(spec["warmup_requests"]):
-            c.infer(model, chains.inputs())
+    """One client process's run: its session, ``warmup_requests`` of the inputs of ``make``'s chains, then, once
+    all processes are ready, one window of new chains; the answers timed in it and the CPU time spent."""
+    with _session(spec) as c:
+        _warm_up(c, spec, make(c))
         sync()
-        t0 = time.perf_counter()
-        w0 = time.monotonic() + spec["warmup_s"]
-        chains.t_count, chains.t_end = t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"]
-        cpu0 = time.process_time()
-        drained = chains.run(spec["warmup_s"] + spec["duration_s"] + 30.0)
-        cpu_s = time.process_time() - cpu0
-        with chains.lock:
-            samples, errors = list(chains.samples), dict(chains.errors)
+        return _window(make(c), spec)
+
+
+def drive_rounds(spec: dict[str, Any], sync: Sync, make: Callable[[Client], Chains]) -> Figures:
+    """As ``drive``, with one window per round (``spec["rounds"]``), on ``spec["round_barrier"]``, which the bench
+    shares to measure its baseline between the windows: once when all processes are ready, then as each window
+    starts and as it has drained. {"rounds": [window figures]}. A failure aborts the barrier, so nobody waits for
+    a round that will not come."""
+    barrier, timeout = spec["round_barrier"], spec["round_timeout_s"]
+    with _session(spec) as c:
+        _warm_up(c, spec, make(c))
+        sync()
+        out = []
+        try:
+            barrier.wait(timeout)
+            for _ in range(spec["rounds"]):
+                barrier.wait(timeout)
+                out.append(_window(make(c), spec))
+                barrier.wait(timeout)
+        except BaseException:
+            barrier.abort()
+            raise
+    return {"rounds": out}
+
+
+def _session(spec: dict[str, Any]) -> Client:
+    return Client(spec["runtime_dir"], slots=2 * spec["in_flight"], name=f"bench-gpu-{spec['index']}",
+                  spin_us=spec.get("spin_us", 1000))
+
+
+def _warm_up(c: Client, spec: dict[str, Any], chains: Chains) -> None:
+    for _ in range(spec["warmup_requests"]):
+        c.infer(spec["model"], chains.inputs())
+
+
+def _window(chains: Chains, spec: dict[str, Any]) -> Figures:
+    """From now: ``warmup_s`` uncounted, then ``duration_s`` counted, then the drain."""
+    t0 = time.perf_counter()
+    w0 = time.monotonic() + spec["warmup_s"]
+    chains.t_count, chains.t_end = t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"]
+    cpu0 = time.process_time()
+    drained = chains.run(spec["warmup_s"] + spec["duration_s"] + 30.0)
+    cpu_s = time.process_time() - cpu0
+    with chains.lock:
+        samples, errors = list(chains.samples), dict(chains.errors)
     return {"completed": len(samples), "errors": sum(errors.values()), "error_codes": errors,
             "samples_ns": samples, "window_s": spec["duration_s"], "lost": 0 if drained else chains.live,
             "window_monotonic": [w0, w0 + spec["duration_s"]], "cpu_s": cpu_s, "answered": chains.answered}
@@ -185,13 +218,19 @@ def drive(spec: dict[str, Any], sync: Sync, make: Callable[[Client], Chains]) ->
 
 def group(progress: Progress, target: Target, specs: list[dict[str, Any]], sampler: Sampler,
           warmup_s: float, duration_s: float) -> Figures:
-    """Client processes running ``target`` (bench/gpu_load.py's figures each) with ``sampler`` on: answers/s,
-    their latency, GPU busy and the clients' CPU time per answer, over the window all of them shared."""
+    """Client processes running ``target`` (bench/gpu_load.py's figures each) with ``sampler`` on: ``merge``'s
+    figures of their one window."""
     sampler.start()
     try:
         results = run_group(progress, target, specs, warmup_s + duration_s)
     finally:
         sampler.stop()
+    return merge(results, duration_s, sampler)
+
+
+def merge(results: list[Figures], duration_s: float, sampler: Sampler) -> Figures:
+    """One window of several client processes: answers/s, their latency, GPU busy and the clients' CPU time per
+    answer, over the window all of them shared."""
     t0 = max(r["window_monotonic"][0] for r in results)
     t1 = min(r["window_monotonic"][1] for r in results)
     samples = [x for r in results for x in r["samples_ns"]]

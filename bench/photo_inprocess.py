@@ -36,8 +36,8 @@ ROUND_S = 1.0  # shapes and batch sizes take turns in rounds of about this long 
 
 @dataclass
 class Tally:
-    """What one shape did at one batch size: batches, wall seconds, and per thread the seconds spent decoding and
-    in the engine, and the instance threads' CPU seconds."""
+    """What one shape did at one batch size: batches, wall seconds, the seconds each thread spent decoding and in
+    the engine (summed over threads), and this process's CPU seconds (the engine's own pool threads included)."""
 
     runs: int = 0
     seconds: float = 0.0
@@ -55,7 +55,7 @@ class Tally:
 
 def tally_figures(t: Tally, batch: int, instances: int) -> Figures:
     """A tally as JSON figures: images/s, ms per batch, and per image the decode and engine time of its thread and
-    the CPU time of the instance threads; ``bound_by`` says which of decode and engine takes longer."""
+    the process's CPU time; ``bound_by`` says which of decode and engine takes longer."""
     images = t.runs * batch
     if not images or t.seconds <= 0:
         return {"runs": t.runs, "seconds": round(t.seconds, 3), "items_per_s": 0.0}
@@ -103,7 +103,6 @@ class Shape:
         def loop(i: int) -> None:
             tally, batch, runner = tallies[i], self.inputs[i], self.runner
             plan = batches(len(images), b, i, self.instances)
-            c0 = time.thread_time()
             try:
                 while True:
                     for rows in plan:
@@ -121,9 +120,8 @@ class Shape:
                             return
             except BaseException as exc:  # noqa: BLE001 - raised again by the caller
                 failures.append(exc)
-            finally:
-                tally.cpu_s = time.thread_time() - c0
 
+        cpu0 = time.process_time()
         threads = [threading.Thread(target=loop, args=(i,), name=f"bench-photo-{i}")
                    for i in range(1, self.instances)]
         for t in threads:
@@ -133,9 +131,9 @@ class Shape:
             t.join()
         if failures:
             raise failures[0]
-        out = Tally(seconds=time.perf_counter() - t0)
+        out = Tally(seconds=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0)
         for tally in tallies:
-            out.add(Tally(tally.runs, 0.0, tally.decode_s, tally.engine_s, tally.cpu_s))
+            out.add(Tally(tally.runs, 0.0, tally.decode_s, tally.engine_s))
         return out
 
     def close(self) -> None:

@@ -1,12 +1,12 @@
 """(b) and (c) of the photo bench: client processes that send photographs through the broker.
 
-(b) ``encoded_client``: ``in_flight`` chains of ``Client.call`` (bench/gpu_load.py's), each request one photo's
-file bytes as they are on disk, the photos taken in turn; the worker decodes them. (c) ``pillow_client``:
-``in_flight`` threads, each decoding and preprocessing the next photo with Pillow (the model's recipe, Pillow's
-DCT draft mode to the preset's decode size, as the worker's decoder scales) and sending the float32 row to the
-tensor model with ``Client.infer``, as an application that prepares its inputs itself does; a request is timed
-from the start of its decode. Both report bench/gpu_load.py's figures (answers in the window, their times, the
-process's CPU time).
+(b) ``encoded_client`` (``encoded_rounds_client``: one window per round): ``in_flight`` chains of
+``Client.call`` (bench/gpu_load.py's), each request one photo's file bytes as they are on disk, the photos taken
+in turn; the worker decodes them. (c) ``pillow_client``: ``in_flight`` threads, each decoding and preprocessing
+the next photo with Pillow (the model's recipe, Pillow's DCT draft mode to the preset's decode size, as the
+worker's decoder scales) and sending the float32 row to the tensor model with ``Client.infer``, as an
+application that prepares its inputs itself does; a request is timed from the start of its decode. Both report
+bench/gpu_load.py's figures (answers in the window, their times, the process's CPU time).
 """
 
 from __future__ import annotations
@@ -93,6 +93,13 @@ def encoded_client(spec: dict[str, Any], sync: Sync) -> Figures:
     photos = _photos(spec)
     return gpu_load.drive(spec, sync, lambda c: PhotoChains(c, spec["model"], photos, _start(spec, photos),
                                                             spec["in_flight"]))
+
+
+def encoded_rounds_client(spec: dict[str, Any], sync: Sync) -> Figures:
+    """(b) in rounds: one window of ``encoded_client``'s chains per round, on the bench's round barrier."""
+    photos = _photos(spec)
+    return gpu_load.drive_rounds(spec, sync, lambda c: PhotoChains(c, spec["model"], photos, _start(spec, photos),
+                                                                   spec["in_flight"]))
 
 
 def pillow_client(spec: dict[str, Any], sync: Sync) -> Figures:

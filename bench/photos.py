@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,12 +30,13 @@ from shmbroker.bench import gpu_load, paired, photo_load, photo_report, photoset
 from shmbroker.bench.broker_proc import BrokerProcess
 from shmbroker.bench.common import BenchError, Figures, Progress
 from shmbroker.bench.photo_inprocess import Limit
-from shmbroker.bench.procs import Target
+from shmbroker.bench.procs import Target, run_group, spawn_context
 from shmbroker.broker.common import config
 
 PHOTO_MODEL = "nsfw_photo"
 TENSOR_MODEL = "nsfw"
 BATCH_SIZES = (1, 4, 8, 16, 32, 64, 128, 256)  # (a)'s sweep, capped at the photo model's max_batch
+ROUND_TIMEOUT_S = 300.0  # one wait on the rounds' barrier: (a)'s window, or (b)'s window and its drain
 
 
 @dataclass(frozen=True)
@@ -145,14 +147,7 @@ class PhotoBench:
         if "error" in m["inprocess_sweep"]:
             return
         paths = [str(p) for p in photos.paths]
-        a = paired.Side("inprocess", f"{name}: (a) in-process limit, {s.duration_s:g} s",
-                        lambda: limit.measure(images, s.duration_s), lambda f: f"{f['per_s']:.1f} photos/s")
-        b = paired.Side("broker", f"{name}: (b) broker, {s.processes} procs x {s.in_flight} encoded photos in flight",
-                        lambda: self.clients(broker, photo_load.encoded_client, s.photo_model, paths),
-                        _summary)
-        paired.run(paired.Pair(a, b, ("per_s",)), s.rounds,
-                   lambda key, title, fn, summary: self.phase(m, key, title, fn, summary))
-        paired.merge(m, paired.Pair(a, b, ("per_s",)), s.rounds)
+        self._rounds(name, m, limit, images, broker, paths)
         if s.tensor_model in self.cfg.models:
             preset = self.cfg.models[s.photo_model].preprocess
             self.phase(m, "pillow", f"{name}: (c) broker, {s.processes} procs x {s.in_flight} threads decoding with "
@@ -162,18 +157,92 @@ class PhotoBench:
             m["pillow"] = {"error": f"skipped: the config has no model {s.tensor_model!r}"}
             self.failures.append(f"{name} (c): the config has no model {s.tensor_model!r}")
 
+    def _rounds(self, name: str, m: Figures, limit: Limit, images: list[memoryview], broker: BrokerProcess,
+                paths: list[str]) -> None:
+        """(a) and (b) in interleaved rounds, a b a b ... a (bench/paired.py), one set of client processes running
+        all of (b)'s windows: they wait on a round barrier while this process runs (a), so each (b) window sits
+        right between its two (a) windows, with no process start between them."""
+        s = self.s
+        model = s.photo_model
+        barrier = spawn_context().Barrier(s.processes + 1)
+        specs = [{**spec, "rounds": s.rounds, "round_barrier": barrier, "round_timeout_s": ROUND_TIMEOUT_S}
+                 for spec in self._specs(broker, model, paths)]
+        sampler = gpu_load.Sampler(self.device, broker.runtime_dir)
+        busy: list[float] = []
+        b_title = f"{name}: (b) broker, {s.processes} procs x {s.in_flight} encoded photos in flight"
+        pair = paired.Pair(
+            paired.Side("inprocess", f"{name}: (a) in-process limit, {s.duration_s:g} s",
+                        lambda: limit.measure(images, s.duration_s), lambda f: f"{f['per_s']:.1f} photos/s"),
+            paired.Side("broker", b_title, dict, _summary),  # its windows come from the clients' rounds below
+            ("per_s",))
+
+        def baseline(r: int) -> None:
+            a = pair.base
+            self.phase(m, paired.window_key(a.key, r), f"{a.title} (window {r + 1} of {s.rounds + 1})", a.measure,
+                       a.summary)
+
+        def watch() -> None:
+            try:
+                barrier.wait(ROUND_TIMEOUT_S)  # every client is ready
+                for r in range(s.rounds):
+                    baseline(r)
+                    self.progress.phase(f"{b_title} (window {r + 1} of {s.rounds})")
+                    barrier.wait(ROUND_TIMEOUT_S)
+                    psutil.cpu_percent(None)
+                    barrier.wait(ROUND_TIMEOUT_S)
+                    busy.append(psutil.cpu_percent(None))
+                baseline(s.rounds)
+            except threading.BrokenBarrierError:  # a client failed: run_group reports it
+                return
+
+        watcher = threading.Thread(target=watch, name="bench-rounds", daemon=True)
+        sampler.start()
+        watcher.start()
+        try:
+            results = run_group(self.progress, photo_load.encoded_rounds_client, specs,
+                                expect_s=s.rounds * (s.warmup_s + 2 * s.duration_s + 5.0) + s.duration_s)
+            watcher.join(s.duration_s * 3 + 60.0)
+        except BenchError as exc:
+            self.failures.append(f"{b_title}: {exc}")
+            self.progress.note(f"FAILED: {exc}")
+            results = []
+        finally:
+            barrier.abort()
+            watcher.join(10.0)
+            sampler.stop()
+        for r in range(s.rounds):
+            key = paired.window_key("broker", r)
+            if not results:
+                m[key] = {"error": "the client processes failed (see failures)"}
+                continue
+            f = self._figures(gpu_load.merge([res["rounds"][r] for res in results], s.duration_s, sampler), model,
+                              sampler)
+            f["machine_cpu_busy_pct"] = busy[r] if r < len(busy) else None
+            m[key] = f
+            self.progress.note(f"(b) window {r + 1}: {_summary(f)}")
+        paired.merge(m, pair, s.rounds)
+
+    def _specs(self, broker: BrokerProcess, model: str, paths: list[str], preset: str = "") -> list[dict[str, Any]]:
+        s = self.s
+        return [{"index": i, "processes": s.processes, "seed": 100 + i, "runtime_dir": str(broker.runtime_dir),
+                 "model": model, "paths": paths, "preset": preset, "in_flight": s.in_flight, "warmup_s": s.warmup_s,
+                 "duration_s": s.duration_s, "warmup_requests": 4} for i in range(s.processes)]
+
     def clients(self, broker: BrokerProcess, target: Target, model: str, paths: list[str],
                 preset: str = "") -> Figures:
         """One window of client processes running ``target`` on ``model``, with the worker's CPU time and batches
         from the broker's stats inside it."""
         s = self.s
-        specs = [{"index": i, "processes": s.processes, "seed": 100 + i, "runtime_dir": str(broker.runtime_dir),
-                  "model": model, "paths": paths, "preset": preset, "in_flight": s.in_flight, "warmup_s": s.warmup_s,
-                  "duration_s": s.duration_s, "warmup_requests": 4} for i in range(s.processes)]
         sampler = gpu_load.Sampler(self.device, broker.runtime_dir)
-        out = gpu_load.group(self.progress, target, specs, sampler, s.warmup_s, s.duration_s)
+        out = gpu_load.group(self.progress, target, self._specs(broker, model, paths, preset), sampler, s.warmup_s,
+                             s.duration_s)
+        return self._figures(out, model, sampler)
+
+    def _figures(self, out: Figures, model: str, sampler: gpu_load.Sampler) -> Figures:
+        """A window's figures per photo: the clients' CPU, where the decoder ran, and the worker's CPU time and
+        batches from the broker's stats inside the window."""
         out["client_cpu_us_per_image"] = out.pop("client_cpu_us_per_request")
-        out["decoder"] = self.decoder if target is photo_load.encoded_client else "client:Pillow"
+        out["decoder"] = self.decoder if model == self.s.photo_model else "client:Pillow"
         window = sampler.stats_window(*out["window_monotonic"])
         if window is None:
             out["worker_cpu_us_per_image"] = None

@@ -1,10 +1,12 @@
 """bench.photo_load against a real broker, in both worker modes: (b)'s clients send the set's JPEG bytes and (c)'s
-decode them with Pillow into the tensor model; every answer inside the window counts, with no error. And the
-main bench's photo phase is skipped, not failed, for a config without the photo model."""
+decode them with Pillow into the tensor model; every answer inside the window counts, with no error; the rounds
+client runs its windows between the bench's. And the main bench's photo phase is skipped, not failed, for a
+config without the photo model."""
 
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,33 @@ def test_a_client_process_counts_its_windows_answers(photo_broker: RunningBroker
     assert out["answered"] >= out["completed"] and out["cpu_s"] > 0
     w0, w1 = out["window_monotonic"]
     assert w1 - w0 == pytest.approx(1.0)
+
+
+def test_the_rounds_client_runs_one_window_per_round_on_the_benchs_barrier(photo_broker: RunningBroker,
+                                                                          photo_paths: list[str]) -> None:
+    barrier = threading.Barrier(2)
+    seen: list[str] = []
+
+    def bench() -> None:  # the bench's seat: ready, then each window's start and end
+        barrier.wait(60)
+        for r in range(2):
+            seen.append(f"a{r}")
+            barrier.wait(60)
+            barrier.wait(60)
+        seen.append("a2")
+
+    seat = threading.Thread(target=bench)
+    seat.start()
+    spec = {**_spec(photo_broker, "nsfw_photo", photo_paths), "rounds": 2, "round_barrier": barrier,
+            "round_timeout_s": 60.0}
+    out = photo_load.encoded_rounds_client(spec, lambda: None)
+    seat.join(60)
+    assert seen == ["a0", "a1", "a2"] and len(out["rounds"]) == 2
+    first, second = out["rounds"]
+    for w in out["rounds"]:
+        assert w["errors"] == 0 and w["lost"] == 0, w["error_codes"]
+        assert w["answered"] >= spec["in_flight"]  # each chain's last request, answered in the drain at least
+    assert second["window_monotonic"][0] >= first["window_monotonic"][1]
 
 
 def test_the_main_benchs_photo_phase_is_skipped_without_the_model(tmp_path: Path) -> None:
