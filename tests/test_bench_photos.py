@@ -111,17 +111,20 @@ def test_a_tally_gives_rates_per_photo_and_what_bounds_them() -> None:
 
 
 def _size(b_ratio: float | None = 0.95) -> dict[str, Any]:
-    broker: dict[str, Any] = {"per_s": 90.0, "client_cpu_us_per_image": 25.0, "latency": {"p50_us": 9000.0}}
+    broker: dict[str, Any] = {"per_s": 90.0, "client_cpu_us_per_image": 25.0, "worker_cpu_us_per_image": 975.0,
+                              "latency": {"p50_us": 9000.0}}
     if b_ratio is not None:
         broker["paired"] = {"against": "inprocess", "per_s": {"per_round": [b_ratio], "median": b_ratio}}
-    return {"inprocess": {"per_s": 100.0}, "broker": broker, "pillow": {"per_s": 30.0}}
+    return {"inprocess": {"per_s": 100.0, "cpu_us_per_image": 900.0}, "broker": broker, "pillow": {"per_s": 30.0}}
 
 
 def test_ratios_take_the_rounds_median_else_the_quotient() -> None:
-    assert photo_report.ratios(_size(0.95)) == {"b_over_a": 0.95, "b_over_c": 3.0, "client_cpu_us_per_image_b": 25.0}
+    assert photo_report.ratios(_size(0.95)) == {"b_over_a": 0.95, "b_over_c": 3.0, "client_cpu_us_per_image_b": 25.0,
+                                                "cpu_a_over_b": 0.9}
     assert photo_report.ratios(_size(None))["b_over_a"] == 0.9
     failed = {**_size(), "broker": {"error": "a client process failed"}}
-    assert photo_report.ratios(failed) == {"b_over_a": None, "b_over_c": None, "client_cpu_us_per_image_b": None}
+    assert photo_report.ratios(failed) == {"b_over_a": None, "b_over_c": None, "client_cpu_us_per_image_b": None,
+                                           "cpu_a_over_b": None}
 
 
 def test_a_cpu_worker_is_judged_on_b_over_a_only_a_gpu_on_all_three() -> None:
@@ -148,6 +151,7 @@ def test_the_table_shows_each_size_its_rows_and_verdicts() -> None:
     b_over_a = [line for line in text.splitlines() if line.strip().startswith("b_over_a")]
     assert b_over_a[0].endswith("PASS") and b_over_a[1].endswith("FAIL")
     assert "FAILED: skipped: no nsfw" in text and "9.0" in text  # (b)'s p50 in ms
+    assert "cpu_a_over_b                             0.900 (info" in text
 
 
 def _args(**kw: Any) -> argparse.Namespace:
