@@ -21,8 +21,8 @@ from typing import Any
 
 from shmbroker.bench import gpu_classic, gpu_inprocess, gpu_load, gpu_report, gpu_variants, report
 from shmbroker.bench.broker_proc import BrokerProcess
-from shmbroker.bench.common import BenchError, Figures, Progress, latency_summary
-from shmbroker.bench.procs import Target, run_group
+from shmbroker.bench.common import BenchError, Figures, Progress
+from shmbroker.bench.procs import Target
 from shmbroker.broker.common import config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "gpu.toml"
@@ -46,7 +46,9 @@ class Settings:
     def of(cls, args: argparse.Namespace) -> Settings:
         quick = bool(args.quick)
         duration = args.duration if args.duration is not None else (2.0 if quick else 5.0)
-        return cls(duration, 0.5 if quick else 1.0, args.processes, args.in_flight, api=getattr(args, "api", "call"),
+        processes = args.processes if args.processes is not None else 16  # None: shmbroker bench's default
+        in_flight = args.in_flight if args.in_flight is not None else 8
+        return cls(duration, 0.5 if quick else 1.0, processes, in_flight, api=getattr(args, "api", "call"),
                    client_spin_us=getattr(args, "client_spin_us", 1000), worker_nice=getattr(args, "worker_nice", None))
 
 
@@ -142,20 +144,7 @@ class GpuBench:
                            lambda col=col: self.broker(workdir, col))
 
     def _group(self, target: Target, specs: list[dict[str, Any]], sampler: gpu_load.Sampler) -> Figures:
-        sampler.start()
-        try:
-            results = run_group(self.progress, target, specs, self.s.warmup_s + self.s.duration_s)
-        finally:
-            sampler.stop()
-        t0 = max(r["window_monotonic"][0] for r in results)
-        t1 = min(r["window_monotonic"][1] for r in results)
-        samples = [x for r in results for x in r["samples_ns"]]
-        completed = sum(r["completed"] for r in results)
-        return {"per_s": round(completed / self.s.duration_s, 1), "completed": completed,
-                "errors": sum(r["errors"] for r in results), "latency": latency_summary(samples),
-                "gpu_busy_pct": sampler.busy_pct(t0, t1), "gpu_busy_error": sampler.error,
-                "client_cpu_us_per_request": _client_cpu_us(results),
-                "window_monotonic": [t0, t1]}
+        return gpu_load.group(self.progress, target, specs, sampler, self.s.warmup_s, self.s.duration_s)
 
     def classic(self, workdir: Path) -> Figures:
         mc = self.cfg.models[MODEL]
@@ -197,12 +186,6 @@ class GpuBench:
         return {**out, "clients": self.s.processes, "in_flight_per_client": self.s.in_flight, "api": self.s.api,
                 "client_spin_us": self.s.client_spin_us, "worker_nice": self.s.worker_nice, "max_batch": mc.max_batch,
                 "max_queue_delay_ms": mc.max_queue_delay_us / 1e3}
-
-
-def _client_cpu_us(results: list[Figures]) -> float | None:
-    """The client processes' CPU microseconds per answered request, over their whole run (warm-up included)."""
-    answered = sum(r.get("answered", 0) for r in results)
-    return round(sum(r.get("cpu_s", 0.0) for r in results) * 1e6 / answered, 2) if answered else None
 
 
 def columns(cfg: config.Config, args: argparse.Namespace, workdir: Path) -> list[Column]:

@@ -16,8 +16,10 @@ nvidia-smi shows it) every 0.1 s, and the broker's stats every 0.5 s.
 from __future__ import annotations
 
 import collections
+import importlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from shmbroker.bench import cpu_sample
-from shmbroker.bench.common import Figures
-from shmbroker.bench.procs import Sync
+from shmbroker.bench.common import Figures, Progress, latency_summary
+from shmbroker.bench.procs import Sync, Target, run_group
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.ask import ask_broker
 from shmbroker.client import Client, ShmBrokerError
@@ -36,7 +38,7 @@ from shmbroker.gpu_worker.histogram import mean, quantile
 class Chains:
     """``in_flight`` chains; chain i's request was submitted at ``sent[i]``; completions in the window count."""
 
-    def __init__(self, client: Client, model: str, x: np.ndarray, t_count: float, t_end: float, n: int) -> None:
+    def __init__(self, client: Client, model: str, x: Any, t_count: float, t_end: float, n: int) -> None:
         self.client, self.model, self.x = client, model, x
         self.t_count, self.t_end = t_count, t_end
         self.sent = [0] * n
@@ -47,10 +49,14 @@ class Chains:
         self.answered = 0  # every answer, in the window or not: the client's CPU time is divided by it
         self.drained = threading.Event()
 
+    def inputs(self) -> Any:
+        """The next request's inputs (the same array each time; bench/photo_load.py goes through its photos)."""
+        return self.x
+
     def launch(self, i: int) -> None:
         self.sent[i] = time.perf_counter_ns()
         try:
-            self.client.call(self.model, self.x, lambda out, exc: self.on_done(i, exc))
+            self.client.call(self.model, self.inputs(), lambda out, exc: self.on_done(i, exc))
         except ShmBrokerError as exc:
             with self.lock:
                 self.errors[f"submit:{exc.code}"] += 1
@@ -120,7 +126,7 @@ class Loops(Chains):
         """One request: when its timing starts and ends, and its error code ('' for none)."""
         t0 = time.perf_counter_ns()
         try:
-            self.client.infer(self.model, self.x)
+            self.client.infer(self.model, self.inputs())
             code = ""
         except ShmBrokerError as exc:
             code = exc.code
@@ -149,25 +155,97 @@ API_LOOPS: dict[str, type[Chains]] = {"call": Chains, "infer": Loops, "request":
 
 def client(spec: dict[str, Any], sync: Sync) -> Figures:
     """One application process: its own session, ``in_flight`` batch-1 requests in flight for the window."""
-    model, in_flight = spec["model"], spec["in_flight"]
-    with Client(spec["runtime_dir"], slots=2 * in_flight, name=f"bench-gpu-{spec['index']}",
-                spin_us=spec.get("spin_us", 1000)) as c:
-        x = np.random.default_rng(spec["seed"]).random(tuple(spec["shape"]), dtype=np.float32)
-        for _ in range(spec["warmup_requests"]):
-            c.infer(model, x)
+    x = np.random.default_rng(spec["seed"]).random(tuple(spec["shape"]), dtype=np.float32)
+    kind = API_LOOPS[spec.get("api", "call")]
+    return drive(spec, sync, lambda c: kind(c, spec["model"], x, 0.0, 0.0, spec["in_flight"]))
+
+
+def drive(spec: dict[str, Any], sync: Sync, make: Callable[[Client], Chains]) -> Figures:
+    """One client process's run: its session, ``warmup_requests`` of the inputs of ``make``'s chains, then, once
+    all processes are ready, one window of new chains; the answers timed in it and the CPU time spent."""
+    with _session(spec) as c:
+        _warm_up(c, spec, make(c))
         sync()
-        t0 = time.perf_counter()
-        w0 = time.monotonic() + spec["warmup_s"]
-        kind = API_LOOPS[spec.get("api", "call")]
-        chains = kind(c, model, x, t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"], in_flight)
-        cpu0 = time.process_time()
-        drained = chains.run(spec["warmup_s"] + spec["duration_s"] + 30.0)
-        cpu_s = time.process_time() - cpu0
-        with chains.lock:
-            samples, errors = list(chains.samples), dict(chains.errors)
+        return _window(make(c), spec)
+
+
+def drive_rounds(spec: dict[str, Any], sync: Sync, make: Callable[[Client], Chains]) -> Figures:
+    """As ``drive``, with one window per round (``spec["rounds"]``), on ``spec["round_barrier"]``, which the bench
+    shares to measure its baseline between the windows: once when all processes are ready, then as each window
+    starts and as it has drained. {"rounds": [window figures]}. A failure aborts the barrier, so nobody waits for
+    a round that will not come."""
+    barrier, timeout = spec["round_barrier"], spec["round_timeout_s"]
+    with _session(spec) as c:
+        _warm_up(c, spec, make(c))
+        sync()
+        out = []
+        try:
+            barrier.wait(timeout)
+            for _ in range(spec["rounds"]):
+                barrier.wait(timeout)
+                out.append(_window(make(c), spec))
+                barrier.wait(timeout)
+        except BaseException:
+            barrier.abort()
+            raise
+    return {"rounds": out}
+
+
+def _session(spec: dict[str, Any]) -> Client:
+    return Client(spec["runtime_dir"], slots=2 * spec["in_flight"], name=f"bench-gpu-{spec['index']}",
+                  spin_us=spec.get("spin_us", 1000))
+
+
+def _warm_up(c: Client, spec: dict[str, Any], chains: Chains) -> None:
+    for _ in range(spec["warmup_requests"]):
+        c.infer(spec["model"], chains.inputs())
+
+
+def _window(chains: Chains, spec: dict[str, Any]) -> Figures:
+    """From now: ``warmup_s`` uncounted, then ``duration_s`` counted, then the drain."""
+    t0 = time.perf_counter()
+    w0 = time.monotonic() + spec["warmup_s"]
+    chains.t_count, chains.t_end = t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"]
+    cpu0 = time.process_time()
+    drained = chains.run(spec["warmup_s"] + spec["duration_s"] + 30.0)
+    cpu_s = time.process_time() - cpu0
+    with chains.lock:
+        samples, errors = list(chains.samples), dict(chains.errors)
     return {"completed": len(samples), "errors": sum(errors.values()), "error_codes": errors,
             "samples_ns": samples, "window_s": spec["duration_s"], "lost": 0 if drained else chains.live,
             "window_monotonic": [w0, w0 + spec["duration_s"]], "cpu_s": cpu_s, "answered": chains.answered}
+
+
+def group(progress: Progress, target: Target, specs: list[dict[str, Any]], sampler: Sampler,
+          warmup_s: float, duration_s: float) -> Figures:
+    """Client processes running ``target`` (bench/gpu_load.py's figures each) with ``sampler`` on: ``merge``'s
+    figures of their one window."""
+    sampler.start()
+    try:
+        results = run_group(progress, target, specs, warmup_s + duration_s)
+    finally:
+        sampler.stop()
+    return merge(results, duration_s, sampler)
+
+
+def merge(results: list[Figures], duration_s: float, sampler: Sampler) -> Figures:
+    """One window of several client processes: answers/s, their latency, GPU busy and the clients' CPU time per
+    answer, over the window all of them shared."""
+    t0 = max(r["window_monotonic"][0] for r in results)
+    t1 = min(r["window_monotonic"][1] for r in results)
+    samples = [x for r in results for x in r["samples_ns"]]
+    completed = sum(r["completed"] for r in results)
+    return {"per_s": round(completed / duration_s, 1), "completed": completed,
+            "errors": sum(r["errors"] for r in results), "latency": latency_summary(samples),
+            "gpu_busy_pct": sampler.busy_pct(t0, t1), "gpu_busy_error": sampler.error,
+            "client_cpu_us_per_request": _client_cpu_us(results),
+            "window_monotonic": [t0, t1]}
+
+
+def _client_cpu_us(results: list[Figures]) -> float | None:
+    """The client processes' CPU microseconds per answered request, over their whole run (warm-up included)."""
+    answered = sum(r.get("answered", 0) for r in results)
+    return round(sum(r.get("cpu_s", 0.0) for r in results) * 1e6 / answered, 2) if answered else None
 
 
 @dataclass(frozen=True)
@@ -180,9 +258,10 @@ class Snapshot:
 
 
 class Sampler(threading.Thread):
-    """GPU utilization (NVML) and, when ``runtime_dir`` is given, the broker's stats, with monotonic times."""
+    """GPU utilization (NVML; none with ``device`` None, a CPU worker's) and, when ``runtime_dir`` is given, the
+    broker's stats, with monotonic times."""
 
-    def __init__(self, device: int, runtime_dir: Path | None = None, period_s: float = 0.1) -> None:
+    def __init__(self, device: int | None, runtime_dir: Path | None = None, period_s: float = 0.1) -> None:
         super().__init__(name="bench-sampler", daemon=True)
         self.device, self.runtime_dir, self.period_s = device, runtime_dir, period_s
         self.util: list[tuple[float, int]] = []
@@ -191,13 +270,16 @@ class Sampler(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-        except Exception as exc:  # noqa: BLE001 - no NVML: the figure is reported as missing, with why
-            self.error = f"NVML unavailable: {type(exc).__name__}: {exc}"
-            pynvml = None
+        pynvml: Any = None
+        if self.device is None:
+            self.error = "no GPU: the worker runs on the CPU"
+        else:
+            try:
+                pynvml = importlib.import_module("pynvml")
+                pynvml.nvmlInit()
+            except Exception as exc:  # noqa: BLE001 - no NVML: the figure is reported as missing, with why
+                self.error = f"NVML unavailable: {type(exc).__name__}: {exc}"
+                pynvml = None
         handle = pynvml.nvmlDeviceGetHandleByIndex(self.device) if pynvml else None
         next_stats = 0.0
         try:

@@ -30,9 +30,9 @@ from typing import Any
 
 import psutil
 
-from shmbroker.bench import echo, inprocess, load, paired, plot, report, sweep
+from shmbroker.bench import echo, inprocess, load, paired, photo_load, photoset, plot, report, sweep
 from shmbroker.bench.broker_proc import BrokerProcess, counters_delta, model_counters
-from shmbroker.bench.common import BenchError, Figures, Progress
+from shmbroker.bench.common import BenchError, Figures, Progress, latency_summary
 from shmbroker.bench.procs import Target, run_group
 from shmbroker.broker.common import config
 
@@ -42,6 +42,8 @@ NSFW_IN_FLIGHT = 4  # per process: 16 in flight
 NSFW_BATCH_SIZES = [1, 8, 16]
 TINY = "tiny"
 NSFW = "nsfw"
+PHOTO = "nsfw_photo"
+PHOTO_SIZE = (1280, 960)  # the demo's photos: a phone photo as an upload form scales it
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rows", type=int, default=1, metavar="N", help="--ray: rows a request (default 1)")
     ap.add_argument("--gpu", action="store_true",
                     help="the GPU benchmark instead (bench/gpu.py; default config bench/gpu.toml; see bench/README.md)")
-    ap.add_argument("--processes", type=int, default=16, help="--gpu: client processes (default 16)")
-    ap.add_argument("--in-flight", type=int, default=8, help="--gpu: requests each client keeps in flight (default 8)")
+    ap.add_argument("--photos", action="store_true",
+                    help="the photo benchmark instead (bench/photos.py: photos decoded by the worker against the "
+                         "in-process limit and against Pillow in the clients; see bench/README.md)")
+    photoset.add_arguments(ap)
+    ap.add_argument("--processes", type=int, default=None,
+                    help="--gpu: client processes (default 16); --photos: 16 on a GPU worker, 4 on a CPU one")
+    ap.add_argument("--in-flight", type=int, default=None,
+                    help="--gpu: requests each client keeps in flight (default 8); --photos: 8 on a GPU worker, 4 on "
+                         "a CPU one")
     ap.add_argument("--log-dir", default=None, metavar="DIR", help="--gpu: keep the broker's log there")
     ap.add_argument("--engines", default="", metavar="NAMES",
                     help="--gpu: torch,inductor,null: each engine's (a) and (c) side by side (default: the config's)")
@@ -267,6 +276,7 @@ class Bench:
         else:
             self.skip("nsfw_inprocess", f"the config has no model {NSFW!r}")
             self.skip("nsfw_throughput", f"the config has no model {NSFW!r}")
+        self._photo_phase(broker)
 
     def _nsfw_phases(self, broker: BrokerProcess) -> None:
         """The in-process sweep (broker idle) picks the best shape and batch size; that one, kept loaded, and
@@ -294,6 +304,38 @@ class Bench:
             pair = paired.Pair(limit_side, nsfw_side, ("per_s",))
             paired.run(pair, s.rounds, self.phase)
             paired.merge(self.measurements, pair, s.rounds)
+
+    def _photo_phase(self, broker: BrokerProcess) -> None:
+        """Photos/s of the photo model: encoded JPEGs from the client processes, decoded by the worker (bench/photos.py
+        measures them against their limits). Information, no target: a config or a machine without the model or
+        the photographs skips it without failing the run."""
+        s = self.s
+        if PHOTO not in self.cfg.models:
+            self.measurements["photo_throughput"] = {"error": f"skipped: the config has no model {PHOTO!r}"}
+            return
+        self.progress.phase("the photo set")
+        try:
+            photos = photoset.build([PHOTO_SIZE], None, self.progress)[PHOTO_SIZE]
+        except BenchError as exc:
+            self.measurements["photo_throughput"] = {"error": f"skipped: {exc}"}
+            self.progress.note(f"photo phase skipped: {exc}")
+            return
+        self.progress.done(f"{len(photos.paths)} photos of {photoset.size_name(PHOTO_SIZE)}")
+        base = {"runtime_dir": str(broker.runtime_dir), "model": PHOTO, "warmup_requests": 2,
+                "paths": [str(p) for p in photos.paths], "processes": s.processes}
+        self.phase("photo_throughput", f"{PHOTO} photos/s via the broker, {s.processes} procs x {s.nsfw_in_flight} "
+                   f"{photoset.size_name(PHOTO_SIZE)} JPEGs in flight, {s.duration_s:g} s",
+                   lambda: self.with_server_counters(broker, PHOTO, lambda: self.photos(base)), tput_summary("photos"))
+
+    def photos(self, base: Figures) -> Figures:
+        """One window of photo_load's encoded clients: photos/s and each photo's time from submit to answer."""
+        s = self.s
+        specs = [{**base, "index": i, "seed": 1000 + i, "in_flight": s.nsfw_in_flight, "warmup_s": s.warmup_s,
+                  "duration_s": s.duration_s} for i in range(s.processes)]
+        results = run_group(self.progress, photo_load.encoded_client, specs, expect_s=s.warmup_s + s.duration_s)
+        return {**_throughput(results, s.nsfw_in_flight), "warmup_s": s.warmup_s,
+                "latency": latency_summary([x for r in results for x in r["samples_ns"]]),
+                "size": photoset.size_name(PHOTO_SIZE)}
 
     def _sweep_phases(self, broker: BrokerProcess) -> None:
         """One phase per model of ``sweep.PLANS`` (``<model>_sweep``); a model the config lacks is skipped."""
@@ -339,6 +381,10 @@ def main(args: argparse.Namespace) -> int:
         from shmbroker.bench.gpu import main as gpu_main
 
         return gpu_main(args)
+    if args.photos:
+        from shmbroker.bench.photos import main as photos_main
+
+        return photos_main(args)
     if args.http:
         from shmbroker.bench.http_bench import main as http_main
 

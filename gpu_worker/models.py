@@ -92,6 +92,7 @@ def photo_runner(view: ModelView, engine: Engine, batcher: Batcher[Work], mc: Mo
         except ImportError as exc:
             raise EngineError(f"models.{view.name}.input = \"image\": decoder {entry.name!r} cannot load ({exc}); "
                               "install shmbroker[serve]") from None
+        log.info("model %s decodes images on the cpu with %s (%s)", view.name, entry.name, decoder.backend)
     try:
         prep = Preprocessor(mc.preprocess, engine.inputs[0].shape, decoder, mc.max_image_pixels, view.name)
     except ValueError as exc:

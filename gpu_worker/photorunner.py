@@ -8,6 +8,7 @@ other requests run. The decode time counts in the runner's run time, so such a m
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,12 +41,20 @@ class PhotoRunner(ModelRunner):
     def _inputs(self, works: list[Work], bufs: _Buffers) -> tuple[list[Work], dict[str, np.ndarray], int]:
         """(3) Decode and preprocess: the requests whose rows all went into the batch, the feeds, their rows."""
         ok, rows, batch = self._prepare(works, bufs)
-        return ok, {self._feed.name: batch[:rows]}, rows
+        return ok, self.feeds(batch, rows), rows
+
+    def feeds(self, batch: np.ndarray, rows: int) -> dict[str, np.ndarray]:
+        """The engine's feeds of the first ``rows`` rows of ``batch``."""
+        return {self._feed.name: batch[:rows]}
+
+    def new_batch(self) -> np.ndarray:
+        """An empty engine input of ``max_batch`` rows, for ``decode_rows``."""
+        return np.empty((self.model.max_batch, *self._feed.item_shape), np.float32)
 
     def _batch(self, bufs: _Buffers) -> np.ndarray:
         batch = self._batches.get(id(bufs))
         if batch is None:
-            batch = self._batches[id(bufs)] = np.empty((self.model.max_batch, *self._feed.item_shape), np.float32)
+            batch = self._batches[id(bufs)] = self.new_batch()
         return batch
 
     def _prepare(self, works: list[Work], bufs: _Buffers) -> tuple[list[Work], int, np.ndarray]:
@@ -78,9 +87,14 @@ class PhotoRunner(ModelRunner):
             return spans
         buf = w.session.segment.buf
         base = w.session.layout.input_bases[w.req.slot] + t.offset
-        for k, (off, n) in enumerate(spans):
+        return self.decode_rows([buf[base + off : base + off + n] for off, n in spans], batch, row)
+
+    def decode_rows(self, images: Sequence[memoryview], batch: np.ndarray, row: int) -> str | None:
+        """Decode and preprocess ``images`` into ``batch`` from ``row`` on (the worker's path from a request's
+        rows to the engine's input; bench/photo_inprocess.py times it); None, or the first bad row and why."""
+        for k, data in enumerate(images):
             try:
-                self.prep.image(buf[base + off : base + off + n], batch[row + k])
+                self.prep.image(data, batch[row + k])
             except ImageError as exc:
                 return f"row {k}: {exc}"
             except Exception as exc:  # noqa: BLE001 - a decoder's own failure on one image answers that request only

@@ -28,7 +28,10 @@ class ImageError(ValueError):
 
 class Decoder(Protocol):
     """Decodes one encoded image into RGB uint8 HWC of at least ``min_h`` x ``min_w`` where the image is as large
-    (a decoder may downscale in the DCT domain down to that), refusing more than ``max_pixels``."""
+    (a decoder may downscale in the DCT domain down to that), refusing more than ``max_pixels``. ``backend`` names
+    the library that decodes JPEG, with its version (logged by the worker, reported by bench/photos.py)."""
+
+    backend: str
 
     def decode(self, data: memoryview, min_h: int, min_w: int, max_pixels: int) -> np.ndarray: ...
 
@@ -52,6 +55,7 @@ class TurboDecoder:
 
         self._jpeg = simplejpeg
         self.pixels_setting = pixels_setting
+        self.backend = f"simplejpeg {simplejpeg.__version__}"
 
     def decode(self, data: memoryview, min_h: int, min_w: int, max_pixels: int) -> np.ndarray:
         head = bytes(data[:8])

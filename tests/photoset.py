@@ -2,7 +2,8 @@
 are disjoint by source photo: crops and flips of one photo stay on its side.
 
 Sources: scikit-image's bundled samples, scikit-learn's ``load_sample_images``, matplotlib's ``grace_hopper.jpg``
-(all three in the dev extra) and the nature photographs of Debian's ``mate-backgrounds`` (.ci/run installs it).
+(all three in the dev extra) and the nature photographs of Debian's ``mate-backgrounds`` (.ci/run installs it),
+as bench/photoset.py finds them.
 """
 
 from __future__ import annotations
@@ -10,48 +11,19 @@ from __future__ import annotations
 import functools
 import io
 import zlib
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-# scikit-image's bundled photographs (colour and grey); cat() is chelsea() again, so it is not listed
-SKIMAGE = ("astronaut", "camera", "chelsea", "coffee", "rocket", "hubble_deep_field", "coins", "moon", "clock",
-           "immunohistochemistry", "retina", "brick", "grass", "gravel")
-MATE_NATURE = Path("/usr/share/backgrounds/mate/nature")
-
-
-def _rgb(arr: object) -> Image.Image:
-    return Image.fromarray(np.asarray(arr)).convert("RGB")
-
-
-def _loaders() -> dict[str, Callable[[], Image.Image]]:
-    found: dict[str, Callable[[], Image.Image]] = {}
-    from skimage import data as skdata
-
-    for name in SKIMAGE:
-        found[f"skimage/{name}"] = functools.partial(lambda n: _rgb(getattr(skdata, n)()), name)
-    found["skimage/motorcycle"] = lambda: _rgb(skdata.stereo_motorcycle()[0])  # type: ignore[no-untyped-call]
-    from sklearn.datasets import load_sample_images
-
-    for k, name in enumerate(("china", "flower")):
-        found[f"sklearn/{name}"] = functools.partial(lambda i: _rgb(load_sample_images().images[i]), k)
-    import matplotlib.cbook
-
-    hopper = str(Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg")
-    found["matplotlib/grace_hopper"] = lambda: Image.open(hopper).convert("RGB")
-    if MATE_NATURE.is_dir():
-        for path in sorted(MATE_NATURE.glob("*.jpg")):
-            found[f"mate/{path.stem}"] = functools.partial(lambda p: Image.open(p).convert("RGB"), path)
-    return found
+from shmbroker.bench.photoset import sources
 
 
 @functools.cache
 def photos() -> dict[str, Image.Image]:
     """Every available photograph by source name, downscaled so that the long side is at most 1024 pixels."""
     out = {}
-    for name, load in sorted(_loaders().items()):
+    for name, load in sorted(sources(strict=True).items()):
         img = load()
         img.thumbnail((1024, 1024))
         out[name] = img

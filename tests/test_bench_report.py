@@ -37,3 +37,15 @@ def test_a_quick_run_shows_each_ratio_against_its_basis_and_judges_none() -> Non
 def test_a_full_run_says_pass_or_fail(name: str) -> None:
     line = next(x for x in report.table(_doc(quick=False)).splitlines() if x.startswith(name))
     assert line.endswith("FAIL" if name == "tiny_p50_over_echo_p50" else "PASS"), line
+
+
+def test_the_photo_row_shows_photos_per_second_and_its_latency_in_ms() -> None:
+    doc = _doc(quick=True)
+    doc["measurements"]["photo_throughput"] = {"per_s": 8.0, "errors": 0, "size": "1280x960",
+                                               "latency": {"p50_us": 1_131_198.9, "p99_us": 1_376_749.9}}
+    line = next(x for x in report.table(doc).splitlines() if x.startswith("nsfw_photo"))
+    assert "8.0 photos/s of 1280x960 JPEGs" in line and "p50 1,131.2 ms, p99 1,376.7 ms" in line, line
+    assert "1,131,198" not in line  # not in the microsecond columns
+    doc["measurements"]["photo_throughput"] = {"error": "skipped: the config has no model 'nsfw_photo'"}
+    line = next(x for x in report.table(doc).splitlines() if x.startswith("nsfw_photo"))
+    assert "SKIPPED" in line, line

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from shmbroker.bench.photoset import MATE_NATURE
 from shmbroker.client import AsyncClient, BadImage, BadInput, Client
 from tests import photoset
 from tests.conftest import CLI, REPO, RunningBroker, start_broker
@@ -63,8 +64,8 @@ def photo_files() -> dict[str, bytes]:
     """Real photographs as files: the mate nature JPEGs as they are on disk, the others encoded as JPEG (and a few
     as PNG)."""
     files = {}
-    if photoset.MATE_NATURE.is_dir():
-        for path in sorted(photoset.MATE_NATURE.glob("*.jpg")):
+    if MATE_NATURE.is_dir():
+        for path in sorted(MATE_NATURE.glob("*.jpg")):
             if path.stat().st_size <= MAX_BYTES:
                 files[path.name] = path.read_bytes()
     for k, (name, img) in enumerate(sorted(photoset.photos().items())):

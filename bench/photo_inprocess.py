@@ -1,0 +1,243 @@
+"""(a) of the photo bench: the in-process limit of decode + preprocess + engine, no broker at all.
+
+Each shape (``instances`` threads x the engine's intra-op threads) is the worker's own photo runner, built by the
+worker's builder (``gpu_worker.models.photo_runner``) from the config's model section: each thread decodes and
+preprocesses a batch of encoded photos into its own engine input (``PhotoRunner.decode_rows``, the path a
+request's rows take in the worker), then runs the engine on it (``PhotoRunner.feeds``), back to back, as the
+runner's instance threads do. ``Limit.sweep`` finds the best shape and batch size; ``Limit.measure`` times that
+one again in windows that take turns with the broker's (bench/paired.py), as bench/inprocess.py does for tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from shmbroker.bench.common import BenchError, Figures, Progress
+from shmbroker.broker.common.config import Config
+from shmbroker.gpu_worker import model_source, models
+from shmbroker.gpu_worker.batcher import Batcher
+from shmbroker.gpu_worker.batching import BatchPolicy
+from shmbroker.gpu_worker.engines import is_device_engine, load_engine
+from shmbroker.gpu_worker.engines.base import EngineError
+from shmbroker.gpu_worker.photorunner import PhotoRunner
+from shmbroker.gpu_worker.work import Work
+
+MIN_RUNS = 3
+WARMUP_RUNS = 2
+ROUND_S = 1.0  # shapes and batch sizes take turns in rounds of about this long (bench/inprocess.py)
+
+
+@dataclass
+class Tally:
+    """What one shape did at one batch size: batches, wall seconds, the seconds each thread spent decoding and in
+    the engine (summed over threads), and this process's CPU seconds (the engine's own pool threads included)."""
+
+    runs: int = 0
+    seconds: float = 0.0
+    decode_s: float = 0.0
+    engine_s: float = 0.0
+    cpu_s: float = 0.0
+
+    def add(self, other: Tally) -> None:
+        self.runs += other.runs
+        self.seconds += other.seconds
+        self.decode_s += other.decode_s
+        self.engine_s += other.engine_s
+        self.cpu_s += other.cpu_s
+
+
+def tally_figures(t: Tally, batch: int, instances: int) -> Figures:
+    """A tally as JSON figures: images/s, ms per batch, and per image the decode and engine time of its thread and
+    the process's CPU time; ``bound_by`` says which of decode and engine takes longer."""
+    images = t.runs * batch
+    if not images or t.seconds <= 0:
+        return {"runs": t.runs, "seconds": round(t.seconds, 3), "items_per_s": 0.0}
+    decode_ms, engine_ms = 1e3 * t.decode_s / images, 1e3 * t.engine_s / images
+    return {"runs": t.runs, "seconds": round(t.seconds, 3),
+            "ms_per_batch": round(1e3 * t.seconds * instances / t.runs, 2),
+            "items_per_s": round(images / t.seconds, 2),
+            "decode_ms_per_image": round(decode_ms, 3), "engine_ms_per_image": round(engine_ms, 3),
+            "cpu_us_per_image": round(1e6 * t.cpu_s / images, 1),
+            "bound_by": "decode" if decode_ms > engine_ms else "engine"}
+
+
+def batches(images: int, batch: int, thread: int, instances: int) -> list[list[int]]:
+    """The photo indices of each batch a thread takes in one pass: the threads start at evenly spaced photos, so
+    that instances running at once decode different ones; every batch has ``batch`` indices, wrapping around."""
+    start = thread * images // max(1, instances)
+    count = max(1, images // batch) if images >= batch else 1
+    return [[(start + k * batch + j) % images for j in range(batch)] for k in range(count)]
+
+
+@dataclass
+class Shape:
+    """The worker's photo runner with ``instances`` threads on an engine of ``threads`` intra-op threads."""
+
+    instances: int
+    threads: int
+    runner: PhotoRunner
+    inputs: list[np.ndarray] = field(default_factory=list)  # each instance thread's engine input
+
+    @property
+    def name(self) -> str:
+        return (f"{self.instances} instance{'s' if self.instances > 1 else ''} x {self.threads} "
+                f"thread{'s' if self.threads != 1 else ''}")
+
+    def window(self, images: Sequence[memoryview], b: int, seconds: float, min_runs: int) -> Tally:
+        """``instances`` threads decode and run batches of ``b`` back to back for ``seconds`` (at least
+        ``min_runs`` batches in all)."""
+        tallies = [Tally() for _ in range(self.instances)]
+        failures: list[BaseException] = []
+        t0 = time.perf_counter()
+
+        def total() -> int:
+            return sum(t.runs for t in tallies)
+
+        def loop(i: int) -> None:
+            tally, batch, runner = tallies[i], self.inputs[i], self.runner
+            plan = batches(len(images), b, i, self.instances)
+            try:
+                while True:
+                    for rows in plan:
+                        ta = time.perf_counter()
+                        error = runner.decode_rows([images[k] for k in rows], batch, 0)
+                        if error is not None:
+                            raise BenchError(f"a photo of the set does not decode: {error}")
+                        tb = time.perf_counter()
+                        runner.engine.run(runner.feeds(batch, b))
+                        tc = time.perf_counter()
+                        tally.runs += 1
+                        tally.decode_s += tb - ta
+                        tally.engine_s += tc - tb
+                        if tc - t0 >= seconds and total() >= min_runs:
+                            return
+            except BaseException as exc:  # noqa: BLE001 - raised again by the caller
+                failures.append(exc)
+
+        cpu0 = time.process_time()
+        threads = [threading.Thread(target=loop, args=(i,), name=f"bench-photo-{i}")
+                   for i in range(1, self.instances)]
+        for t in threads:
+            t.start()
+        loop(0)
+        for t in threads:
+            t.join()
+        if failures:
+            raise failures[0]
+        out = Tally(seconds=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0)
+        for tally in tallies:
+            out.add(Tally(tally.runs, 0.0, tally.decode_s, tally.engine_s))
+        return out
+
+    def close(self) -> None:
+        self.runner.engine.close()
+
+
+def load_shape(cfg: Config, model: str, instances: int, threads: int) -> Shape:
+    """The model's photo runner as the worker builds it, with ``instances`` and ``intra_op_threads`` replaced;
+    BenchError says why the worker could not build it (a GPU worker has no photo runner yet)."""
+    mc = msgspec.structs.replace(cfg.models[model], instances=instances, intra_op_threads=threads)
+    device = str(cfg.worker.devices[0])
+    try:
+        engine = load_engine(mc.engine, model_source.resolve(cfg.model_path(model)), device=device, model=mc)
+    except (EngineError, model_source.ModelSourceError) as exc:
+        raise BenchError(f"model {model!r}: {exc}") from None
+    try:
+        view = models.model_view(0, model, mc, engine)
+        batcher: Batcher[Work] = Batcher(BatchPolicy.from_config(mc, device=is_device_engine(engine)))
+        runner = models.photo_runner(view, engine, batcher, mc, None)
+    except EngineError as exc:
+        engine.close()
+        raise BenchError(f"model {model!r} on {device}: {exc}") from None
+    if not isinstance(runner, PhotoRunner):
+        engine.close()
+        raise BenchError(f"model {model!r}: the worker's runner is a {type(runner).__name__}, not a PhotoRunner")
+    return Shape(instances, threads, runner, [runner.new_batch() for _ in range(instances)])
+
+
+def decoder_name(shape: Shape, device: str) -> str:
+    """Where and with what the worker decodes: ``cpu:simplejpeg 1.9.0``."""
+    decoder = shape.runner.prep.decoder
+    return f"{device}:{decoder.backend if decoder is not None else 'none (frames)'}"
+
+
+class Limit:
+    """The shapes of the sweep, loaded once: the model as the config serves it and, where that differs, one instance
+    on every core this process may use (ONNX Runtime's own 0 would size its pool past a taskset)."""
+
+    def __init__(self, cfg: Config, model: str) -> None:
+        mc = cfg.models[model]
+        cores = len(os.sched_getaffinity(0))
+        wanted = [(mc.instances, mc.intra_op_threads or cores)]
+        if wanted[0] != (1, cores):
+            wanted.append((1, cores))
+        self.model = model
+        self.max_batch = mc.max_batch
+        self.shapes: list[Shape] = []
+        try:
+            for n, t in wanted:
+                self.shapes.append(load_shape(cfg, model, n, t))
+        except BaseException:
+            self.close()
+            raise
+        self.best: tuple[Shape, int] | None = None
+        self.decoder = decoder_name(self.shapes[0], str(cfg.worker.devices[0]))
+
+    def close(self) -> None:
+        for shape in self.shapes:
+            shape.close()
+
+    def __enter__(self) -> Limit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def batch_sizes(self, wanted: Sequence[int]) -> list[int]:
+        """``wanted`` capped at the model's ``max_batch`` (the worker's runner never runs more), with it."""
+        return sorted({b for b in wanted if b <= self.max_batch} | {self.max_batch})
+
+    def sweep(self, images: Sequence[memoryview], batch_sizes: list[int], duration_s: float,
+              progress: Progress) -> Figures:
+        """``duration_s`` of back-to-back batches per shape and batch size, in rounds; the best images/s wins and
+        is what ``measure`` runs."""
+        tallies = {(s.name, b): Tally() for s in self.shapes for b in batch_sizes}
+        for shape in self.shapes:
+            for b in batch_sizes:
+                shape.window(images, b, 0.0, WARMUP_RUNS)
+        rounds = max(1, round(duration_s / ROUND_S))
+        for r in range(rounds):
+            last = r == rounds - 1
+            for shape in self.shapes:
+                for b in batch_sizes:
+                    left = MIN_RUNS - tallies[shape.name, b].runs if last else 1
+                    tallies[shape.name, b].add(shape.window(images, b, duration_s / rounds, left))
+            progress.tick(f"round {r + 1}/{rounds}: " + "; ".join(
+                f"{s.name}: " + ", ".join(
+                    f"b{b} {tally_figures(tallies[s.name, b], b, s.instances)['items_per_s']:.1f}/s"
+                    for b in batch_sizes) for s in self.shapes))
+        by_shape = {s.name: {str(b): tally_figures(tallies[s.name, b], b, s.instances) for b in batch_sizes}
+                    for s in self.shapes}
+        best_name, best_b = max(((name, b) for name, fig in by_shape.items() for b in fig),
+                                key=lambda nb: by_shape[nb[0]][nb[1]]["items_per_s"])
+        shape = next(s for s in self.shapes if s.name == best_name)
+        self.best = (shape, int(best_b))
+        return {"model": self.model, "runner": "gpu_worker.photorunner.PhotoRunner (decode_rows, then the engine)",
+                "decoder": self.decoder, "batch_sizes": batch_sizes, "duration_s_per_batch_size": duration_s,
+                "rounds": rounds, "by_shape": by_shape, "best_shape": best_name, "best_batch": int(best_b),
+                "items_per_s": by_shape[best_name][best_b]["items_per_s"]}
+
+    def measure(self, images: Sequence[memoryview], seconds: float) -> Figures:
+        """One window of the sweep's best shape and batch size; ``per_s`` is images/s."""
+        if self.best is None:
+            raise BenchError("the in-process limit was measured before its sweep")
+        shape, b = self.best
+        f = tally_figures(shape.window(images, b, seconds, MIN_RUNS), b, shape.instances)
+        return {"shape": shape.name, "batch": b, "decoder": self.decoder, **f, "per_s": f["items_per_s"]}
