@@ -14,7 +14,6 @@ is the image (``parse_image_body``). No other input is ``BYTES``.
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +28,7 @@ DATATYPE_OF: dict[str, str] = {np.dtype(P.numpy_dtype(d)).name: d.name for d in 
 NUMPY_OF: dict[str, np.dtype[Any]] = {d.name: P.numpy_dtype(d) for d in P.DType}
 MAX_TIMEOUT_US = 0xFFFF_FFFF  # the ring protocol's timeout_us is a u32
 BYTES = "BYTES"  # the datatype of an image input: its elements are the images' bytes
-ELEMENT_LENGTH = struct.Struct("<I")  # the binary extension's BYTES element: a u32 length, then the bytes
+ELEMENT_LENGTH = P.BYTES_ELEMENT_LENGTH  # the binary extension's BYTES element: a u32 length, then the bytes
 JSON_TYPE = "application/json"
 # The Content-Types of a body that is one image, for a model of images (no Inference-Header-Content-Length):
 # the image's own, the generic binary one, and curl's default for --data-binary, so that a bare

@@ -8,7 +8,6 @@ image's dimensions from its header and refuses more than ``max_pixels`` before i
 from __future__ import annotations
 
 import io
-import struct
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from PIL import Image
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-PNG_SIZE = struct.Struct(">II")  # IHDR's width and height, at byte 16 of the file
+PNG_SIZE_AT = 16  # IHDR's width and height, big-endian u32 each, from byte 16 of the file
 
 
 class ImageError(ValueError):
@@ -86,7 +85,8 @@ class TurboDecoder:
         # IHDR comes first in every PNG: its dimensions are checked against our limit before Pillow, whose own
         # bomb check would otherwise answer first, naming its built-in limit rather than the model's
         if len(data) >= 24 and bytes(data[12:16]) == b"IHDR":
-            width, height = PNG_SIZE.unpack_from(data, 16)
+            width = int.from_bytes(data[PNG_SIZE_AT : PNG_SIZE_AT + 4], "big")
+            height = int.from_bytes(data[PNG_SIZE_AT + 4 : PNG_SIZE_AT + 8], "big")
             if width * height > max_pixels:
                 raise _too_many(width, height, max_pixels, self.pixels_setting)
         return self._pillow(data, "PNG", max_pixels)

@@ -726,6 +726,9 @@ def pack_offsets(sizes: list[int]) -> tuple[list[int], int]:
 # and nbytes the span of the whole input; at its offset, a table of one IMAGE_ROW per row, then the images. Each
 # row's offset is relative to the input's own start; a row lies within the input's span, in any order.
 IMAGE_ROW = struct.Struct("<QQ")  # offset, length
+# KServe v2's binary data extension (the HTTP front-end, shmbroker.ray): each element of a BYTES tensor is a
+# little-endian u32 length, then that many bytes (one encoded image an element)
+BYTES_ELEMENT_LENGTH = struct.Struct("<I")
 
 
 def image_row_bytes(max_bytes: int) -> int:
