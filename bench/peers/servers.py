@@ -80,24 +80,27 @@ class ServerProcess:
             return []
 
     def stop(self) -> int | None:
+        """SIGTERM to the process group; what is still alive ``STOP_TIMEOUT_S`` later (the server, or a process
+        of its tree that left the group) gets SIGKILL, and ``killed`` says so."""
         if self.proc.poll() is None:
             tree = []  # Process objects, taken now: psutil refuses to signal a pid that was reused since
-            for pid in self.pids():
+            for pid in self.pids()[1:]:
                 with contextlib.suppress(psutil.Error):
                     tree.append(psutil.Process(pid))
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
+            t0 = time.monotonic()
             try:
                 self.proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 self.killed = True
-            for p in tree:  # what ignored SIGTERM or left the group
-                with contextlib.suppress(psutil.Error):
-                    if p.is_running():
-                        p.kill()
-                        self.killed = True
-            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.kill()
                 self.proc.wait(10.0)
+            _, alive = psutil.wait_procs(tree, timeout=max(1.0, STOP_TIMEOUT_S - (time.monotonic() - t0)))
+            for p in alive:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+                    self.killed = True
         self.exit_code = self.proc.returncode
         self._log.close()
         return self.exit_code

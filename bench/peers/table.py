@@ -92,6 +92,8 @@ def verdict(table_rows: Sequence[Doc]) -> tuple[list[str], set[tuple[str, str]]]
         if with_c1:
             fastest = min(with_c1, key=lambda r: r["c1_p50_us"])
             bold.add(("c1", fastest["server"] + "/" + fastest["route"]))
+    notes += [f"{x['label']} ({x['client']}): {x['wrong']} wrong answers; its figures do not count."
+              for x in table_rows if x.get("wrong")]
     if not ring or not peers:
         notes.append("Acceptance: not judged (" + ("no ring-client row" if not ring else "no peer row") + ").")
         return notes, bold
@@ -109,9 +111,6 @@ def verdict(table_rows: Sequence[Doc]) -> tuple[list[str], set[tuple[str, str]]]
         notes.append(f"Concurrency 1: ring client p50 {_ms(r['c1_p50_us'])} ms, lowest peer {_ms(lowest['c1_p50_us'])}"
                      f" ms ({lowest['label']}, {lowest['client']}): {'met' if met else 'MISSED'}"
                      f"{'' if met else '; a peer wins the c=1 p50 column'}.")
-    wrong = [x for x in table_rows if x.get("wrong")]
-    for x in wrong:
-        notes.append(f"{x['label']} ({x['client']}): {x['wrong']} wrong answers; its figures do not count.")
     return notes, bold
 
 
@@ -125,7 +124,7 @@ def limit_line(doc: Doc) -> str:
     runner = inproc.get("runner_limit") or {}
     if runner.get("items_per_s") is not None:
         parts.append(f"{runner['items_per_s']:,.0f} images/s at batch {runner['best_batch']} through one engine "
-                     "instance as the peers run it, copies included")
+                     "instance as the peers run it" + (", its copies included" if doc.get("device_name") else ""))
     return f"{doc.get('date', '?')} ({', '.join(doc.get('peers_run', []))}): " + ("; ".join(parts) or "no limit")
 
 
