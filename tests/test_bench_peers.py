@@ -257,8 +257,9 @@ def test_an_engine_error_reaches_every_request_of_its_batch() -> None:
         b = Batcher([_Doubler(fail=True)], max_batch=8, delay_s=0.01)  # type: ignore[list-item]
         task = asyncio.create_task(b.loop())
         try:
-            return await asyncio.gather(*(b.infer(np.zeros(3, dtype=np.float32)) for _ in range(3)),
-                                        return_exceptions=True)
+            results: list[object] = await asyncio.gather(
+                *(b.infer(np.zeros(3, dtype=np.float32)) for _ in range(3)), return_exceptions=True)
+            return results
         finally:
             task.cancel()
 
