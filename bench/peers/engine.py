@@ -108,6 +108,7 @@ class DeviceRunner(Runner):
         from shmbroker.gpu_worker import cuda
 
         super().__init__(engine)
+        self.engine: Any = engine
         self._cuda = cuda
         cuda.set_device(engine.device)
         self.max_batch = max_batch
@@ -120,6 +121,7 @@ class DeviceRunner(Runner):
         self._out_ptr, self._out = _pinned_array(max_batch * o.item_bytes, o.dtype, (max_batch, *o.item_shape))
 
     def run(self, x: np.ndarray) -> np.ndarray:
+        self._cuda.set_device(self.engine.device)  # per thread: servers call from threads of their own
         parts = [self._part(x[lo : lo + self.max_batch]) for lo in range(0, len(x), self.max_batch)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 

@@ -290,6 +290,12 @@ def triton_grpc_client(spec: dict[str, Any], sync: Sync) -> dict[str, Any]:
         state = {"next": 0, "live": n}
         drained = threading.Event()
 
+        def answer_ok(k: int, result: Any) -> bool:
+            try:
+                return check.check(k, result.as_numpy(mi["output_name"]))
+            except (ValueError, TypeError, KeyError) as exc:  # an answer with no readable output
+                return check.unreadable(k, f"{type(exc).__name__}: {exc}")
+
         def launch(i: int) -> None:
             with lock:
                 k = row[i] = state["next"]
@@ -304,13 +310,17 @@ def triton_grpc_client(spec: dict[str, Any], sync: Sync) -> dict[str, Any]:
                 with lock:
                     if error is not None:
                         errors[f"gRPC {getattr(error, 'status', lambda: '')() or type(error).__name__}"] += 1
-                    elif check.check(row[i], result.as_numpy(mi["output_name"])):
+                    elif answer_ok(row[i], result):
                         samples.append(t - sent[i])
                     else:
                         errors["wrong answer"] += 1
             if window.open(t):
-                launch(i)
-                return
+                try:
+                    launch(i)
+                    return
+                except Exception as exc:  # noqa: BLE001 - on gRPC's thread: count it, end this chain
+                    with lock:
+                        errors[f"submit: {type(exc).__name__}"] += 1
             with lock:
                 state["live"] -= 1
                 if state["live"] <= 0:

