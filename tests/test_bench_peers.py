@@ -167,11 +167,20 @@ def test_wrong_answers_take_a_row_out_of_the_comparison() -> None:
 
 def test_documents_of_one_card_share_a_table_and_other_cards_get_their_own(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    docs = [_doc(1.0, 2.0), _doc(3.0, 4.0), _doc(5.0, 6.0, card="NVIDIA H200")]
+    docs = [_doc(30_000.0, 5_000.0, ring_c1=0.5), _doc(40_000.0, 10_000.0, ring_c1=0.9),
+            _doc(5.0, 6.0, card="NVIDIA H200")]
     text = table.render(docs)
     assert text.count("#### NVIDIA H100") == 1
     assert text.count("#### NVIDIA H200") == 1
-    assert text.split("#### NVIDIA H200")[0].count("| shmbroker |") == 2
+    h100 = text.split("#### NVIDIA H200")[0]
+    assert "| shmbroker (run 1) | Client.call |" in h100
+    assert "| **40,000** |" in next(x for x in h100.splitlines() if x.startswith("| shmbroker (run 2) |"))
+    # the cautious comparison: the slowest run's ring client against the best peer of any run
+    assert "Ring client (its slowest run, 1) over the best peer (PyTriton, gRPC): **3.00 x**" in h100
+    assert "Concurrency 1: ring client p50 0.90 ms, lowest peer 1.00 ms" in h100
+    assert "Run 1: its ring client over the best peer (PyTriton, gRPC): **6.00 x**" in h100
+    assert "Run 2: its ring client over the best peer (PyTriton, gRPC): **4.00 x**" in h100
+    assert "- Run 2, 2026-12-06T10:00:00Z (shmbroker, pytriton): in-process limit 46,000" in h100
     paths = []
     for i, d in enumerate(docs):
         paths.append(tmp_path / f"{i}.json")

@@ -78,18 +78,20 @@ def missing_modules(peer: str) -> list[str]:
 
 def python_library_env() -> dict[str, str]:
     """The environment in which Triton's Python backend stub finds this interpreter's own ``libpython3.X.so``
-    (it links the library by name; another Python's of the same version breaks it); BenchError when this
-    interpreter has none (a static build), which PyTriton cannot serve from."""
+    (it links the library by name; another Python's of the same version breaks it); BenchError when there is
+    none to find (a static build with no library beside it), which PyTriton cannot serve from."""
+    import ctypes.util
     import os
     import sysconfig
 
     libdir, name = str(sysconfig.get_config_var("LIBDIR") or ""), str(sysconfig.get_config_var("INSTSONAME") or "")
-    if not sysconfig.get_config_var("Py_ENABLE_SHARED") or not name:
-        raise BenchError(f"{sys.executable} is a static build (no libpython{sys.version_info.major}."
-                         f"{sys.version_info.minor}.so): Triton's Python backend stub cannot load it")
-    if not (Path(libdir) / name).is_file():
-        return {}  # a shared build whose library is in the loader's default path
-    return {"LD_LIBRARY_PATH": os.pathsep.join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH", "")) if p)}
+    if name and (Path(libdir) / name).is_file():
+        return {"LD_LIBRARY_PATH": os.pathsep.join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH", "")) if p)}
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if ctypes.util.find_library(f"python{version}"):
+        return {}  # on the loader's own path
+    raise BenchError(f"no libpython{version}.so for {sys.executable} (a static build?): Triton's Python backend "
+                     "stub links it, so PyTriton cannot run here")
 
 
 def pytriton_python(workdir: Path) -> str:
