@@ -309,3 +309,19 @@ def test_options_are_checked_by_name(capsys: pytest.CaptureFixture[str]) -> None
         with pytest.raises(SystemExit):
             run.parse(bad)
         assert what in capsys.readouterr().err
+
+
+def test_the_sampler_reads_once_more_when_stopped_so_a_window_that_just_ended_is_covered() -> None:
+    import os
+    import time
+
+    from shmbroker.bench.peers.servers import Sampler
+
+    sampler = Sampler([os.getpid()], None, period_s=60.0)  # one reading at the start, the next a minute later
+    sampler.start()
+    assert sampler.first.wait(30.0)
+    window_end = time.monotonic()
+    sampler.stop()
+    assert not sampler.is_alive()
+    assert sampler.cpu[-1][0] >= window_end
+    assert stats.delta(sampler.cpu, sampler.cpu[0][0], window_end) is not None

@@ -182,6 +182,7 @@ def measure(progress: Progress, s: Setup, base: dict[str, Any], processes: int, 
                   model_info=s.info.as_dict(), model=s.model) for i in range(processes)]
     sampler = Sampler(roots, s.gpu)
     sampler.start()
+    sampler.first.wait(10.0)
     try:
         parts = run_group(progress, load.client, specs, expect_s=s.warmup_s + duration_s)
     finally:

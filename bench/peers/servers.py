@@ -144,6 +144,7 @@ class Sampler(threading.Thread):
         self.util: list[tuple[float, float]] = []
         self.error: str | None = None
         self._stop_event = threading.Event()
+        self.first = threading.Event()  # set once the first readings are in: a window after it is covered
         self._cache: dict[int, psutil.Process] = {}
 
     def run(self) -> None:
@@ -157,14 +158,18 @@ class Sampler(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - no NVML: GPU busy is reported missing, with why
                 self.error = f"NVML unavailable: {type(exc).__name__}: {exc}"
         try:
-            while True:
+            stopping = False
+            while not stopping:
+                stopping = self._stop_event.is_set()  # one reading more after stop(): past the last window's end
                 now = time.monotonic()
                 self.cpu.append((now, tree_cpu_s(self.roots, self._cache)))
                 if nvml is not None:
                     self.util.append((now, float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)))
-                if self._stop_event.wait(self.period_s):
-                    break
+                self.first.set()
+                if not stopping:
+                    self._stop_event.wait(self.period_s)
         finally:
+            self.first.set()  # also when a reading failed: nobody waits for a sampler that has ended
             if nvml is not None:
                 nvml.nvmlShutdown()
 
