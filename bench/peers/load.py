@@ -30,7 +30,6 @@ import numpy as np
 from shmbroker.bench.peers.answers import Checker, Tally
 from shmbroker.bench.procs import Sync
 
-PROTOCOLS = ("ring", "kserve", "raw", "triton-grpc")
 DRAIN_S = 30.0  # how long after the window a process waits for its last answers
 
 

@@ -155,6 +155,7 @@ def inprocess(progress: Progress, setup_cfg: Path, model: str, n_rows: int, limi
     try:
         rows = E.inputs(mi, n_rows, seed=2024)
         reference = E.reference(r, rows)
+        answers.pair(rows, reference)
         sizes = sorted({1, min(8, mi.max_batch), min(32, mi.max_batch), mi.max_batch})
         runner_limit = E.runner_limit(r, mi, sizes, limit_s)
     finally:
