@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,12 +102,14 @@ def http_client(spec: dict[str, Any], sync: Sync) -> Figures:
 
 
 class Frontend:
-    """``shmbroker http --port 0`` for the bench's broker; ``url`` once every process is ready."""
+    """``shmbroker http --port 0`` for the bench's broker; ``url`` once every process is ready. ``slots``: each
+    front-end process's session, the requests it holds in flight at most; ``extra``: more of its options."""
 
-    def __init__(self, runtime_dir: Path, workers: int, log_path: Path) -> None:
+    def __init__(self, runtime_dir: Path, workers: int, log_path: Path, slots: int = 2 * CONCURRENCY,
+                 extra: Sequence[str] = ()) -> None:
         env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(runtime_dir), PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "shmbroker.broker.cli", "--runtime-dir", str(runtime_dir), "http", "--workers",
-               str(workers), "--port", "0", "--slots", str(2 * CONCURRENCY), "--max-items", "1"]
+               str(workers), "--port", "0", "--slots", str(slots), "--max-items", "1", *extra]
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
