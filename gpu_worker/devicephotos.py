@@ -344,6 +344,8 @@ class DevicePhotoRunner(PipelineRunner):
                  streams: int, stage: DevicePhotos) -> None:
         super().__init__(model, engine, batcher, counters, streams)
         self.early = False
+        if self.plan is not None:
+            self.plan.lead_rows = 0  # a batch's rows reach the device together, through the stage
         self.stage = stage
         counters.decoder = stage.backend
         log.info("model %s: images decode with %s", model.name, stage.backend)

