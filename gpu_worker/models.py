@@ -15,6 +15,7 @@ from shmbroker.broker.common.config import Config, ModelSection
 from shmbroker.gpu_worker import cuda, model_source
 from shmbroker.gpu_worker.batcher import Batcher
 from shmbroker.gpu_worker.batching import BatchPolicy
+from shmbroker.gpu_worker.devicephotos import DevicePhotoRunner
 from shmbroker.gpu_worker.engines import DeviceEngine, Engine, IOSpec, is_device_engine, load_engine
 from shmbroker.gpu_worker.engines.base import EngineError
 from shmbroker.gpu_worker.intake import ModelView, Photos
@@ -78,11 +79,12 @@ def model_view(model_id: int, name: str, mc: ModelSection, engine: Engine) -> Mo
 
 def photo_runner(view: ModelView, engine: Engine, batcher: Batcher[Work], mc: ModelSection,
                  lone: Engine | None) -> BatchRunner:
-    """The runner of a model whose clients send images or frames: decoded and preprocessed on its threads."""
+    """The runner of a model whose clients send images or frames: decoded and preprocessed on its threads, or
+    on a GPU worker by the device stage into the engine's input."""
     if is_device_engine(engine):
-        raise EngineError(f"models.{view.name}.input = {mc.input!r} runs on CPU workers only: no GPU decoder is "
-                          f"built yet (broker/common/imaging.py, DECODERS); serve it from worker.devices \"cpu\"")
+        return device_photo_runner(view, cast("DeviceEngine", engine), batcher, mc)
     decoder = None
+    counters = ModelCounters()
     if mc.input == P.InputKind.IMAGE:
         entry = imaging.decoder_for(gpu=False)
         if entry is None:
@@ -93,11 +95,28 @@ def photo_runner(view: ModelView, engine: Engine, batcher: Batcher[Work], mc: Mo
             raise EngineError(f"models.{view.name}.input = \"image\": decoder {entry.name!r} cannot load ({exc}); "
                               "install shmbroker[serve]") from None
         log.info("model %s decodes images on the cpu with %s (%s)", view.name, entry.name, decoder.backend)
+        counters.decoder = f"{entry.name} on the worker's CPU"
     try:
         prep = Preprocessor(mc.preprocess, engine.inputs[0].shape, decoder, mc.max_image_pixels, view.name)
     except ValueError as exc:
         raise EngineError(str(exc)) from None
-    return PhotoRunner(view, engine, batcher, ModelCounters(), prep, mc.instances, lone)
+    return PhotoRunner(view, engine, batcher, counters, prep, mc.instances, lone)
+
+
+def device_photo_runner(view: ModelView, engine: DeviceEngine, batcher: Batcher[Work],
+                        mc: ModelSection) -> BatchRunner:
+    """A GPU worker's runner of images or frames: the table's GPU decoder stage as the pipeline's step (3)."""
+    entry = imaging.decoder_for(gpu=True)
+    if entry is None:
+        raise EngineError(f"models.{view.name}.input = {mc.input!r}: no GPU decoder in the table "
+                          "(broker/common/imaging.py, DECODERS); serve it from worker.devices \"cpu\"")
+    try:
+        stage_class = entry.load_class()
+        stage = stage_class(view, mc.preprocess, engine.inputs[0].shape, engine.device, mc.max_image_pixels,
+                            mc.frame_shape if mc.input == P.InputKind.FRAMES else ())
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None
+    return DevicePhotoRunner(view, engine, batcher, ModelCounters(), mc.streams, stage)
 
 
 def make_runner(model: ModelView, engine: Engine, batcher: Batcher[Work], streams: int,

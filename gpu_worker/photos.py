@@ -35,7 +35,7 @@ class Decoder(Protocol):
     def decode(self, data: memoryview, min_h: int, min_w: int, max_pixels: int) -> np.ndarray: ...
 
 
-def _too_many(width: int, height: int, max_pixels: int, setting: str) -> ImageError:
+def too_many(width: int, height: int, max_pixels: int, setting: str) -> ImageError:
     return ImageError(f"{width}x{height} = {width * height} pixels exceeds {setting} ({max_pixels})")
 
 
@@ -70,7 +70,7 @@ class TurboDecoder:
         except ValueError as exc:
             raise ImageError(f"corrupt JPEG header: {exc}") from None
         if width * height > max_pixels:
-            raise _too_many(width, height, max_pixels, self.pixels_setting)
+            raise too_many(width, height, max_pixels, self.pixels_setting)
         if colorspace in ("CMYK", "YCCK"):  # libjpeg-turbo's RGB output does not convert these: Pillow does
             return self._pillow(data, "JPEG", max_pixels)
         try:
@@ -88,24 +88,30 @@ class TurboDecoder:
             width = int.from_bytes(data[PNG_SIZE_AT : PNG_SIZE_AT + 4], "big")
             height = int.from_bytes(data[PNG_SIZE_AT + 4 : PNG_SIZE_AT + 8], "big")
             if width * height > max_pixels:
-                raise _too_many(width, height, max_pixels, self.pixels_setting)
+                raise too_many(width, height, max_pixels, self.pixels_setting)
         return self._pillow(data, "PNG", max_pixels)
 
     def _pillow(self, data: memoryview, fmt: str, max_pixels: int) -> np.ndarray:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit is checked below
-                img = Image.open(io.BytesIO(data), formats=[fmt])  # reads the header only
-                if img.width * img.height > max_pixels:
-                    raise _too_many(img.width, img.height, max_pixels, self.pixels_setting)
-                img.load()
-            return np.asarray(img.convert("RGB"))
-        except Image.DecompressionBombError as exc:
-            raise ImageError(f"{exc} ({self.pixels_setting})") from None
-        except (OSError, ValueError, SyntaxError) as exc:  # Pillow's errors of a bad or truncated file
-            if isinstance(exc, ImageError):
-                raise
-            raise ImageError(f"corrupt or truncated {fmt}: {exc}") from None
+        return pillow_decode(data, fmt, max_pixels, self.pixels_setting)
+
+
+def pillow_decode(data: memoryview, fmt: str, max_pixels: int, pixels_setting: str) -> np.ndarray:
+    """One image of format ``fmt`` ("JPEG" or "PNG") through Pillow into RGB uint8 HWC, its header checked
+    against ``max_pixels`` first; ImageError says why not."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit is checked below
+            img = Image.open(io.BytesIO(data), formats=[fmt])  # reads the header only
+            if img.width * img.height > max_pixels:
+                raise too_many(img.width, img.height, max_pixels, pixels_setting)
+            img.load()
+        return np.asarray(img.convert("RGB"))
+    except Image.DecompressionBombError as exc:
+        raise ImageError(f"{exc} ({pixels_setting})") from None
+    except (OSError, ValueError, SyntaxError) as exc:  # Pillow's errors of a bad or truncated file
+        if isinstance(exc, ImageError):
+            raise
+        raise ImageError(f"corrupt or truncated {fmt}: {exc}") from None
 
 
 # -- presets: RGB uint8 HWC in, one float32 row of the engine's input out ----------------------------------

@@ -40,6 +40,7 @@ class ModelCounters:
         self.requests: Counter[str] = Counter()
         self.batch_rows: Counter[int] = Counter()
         self.stages: dict[str, Histogram] = {}
+        self.decoder = ""  # a model of images: its decoder and where it runs (ModelStats.decoder)
 
     def count(self, status: P.Status, n: int = 1) -> None:
         name = _STATUS_NAMES[status]  # Enum.name is a property: a dict lookup is cheaper per batch
@@ -56,7 +57,7 @@ class ModelCounters:
             return P.ModelStats(
                 name=name, requests=dict(self.requests), batches=sum(self.batch_rows.values()),
                 batch_items={str(k): v for k, v in sorted(self.batch_rows.items())}, queue_depth=queue_depth,
-                stages=stages,
+                stages=stages, decoder=self.decoder,
             )
 
 

@@ -263,3 +263,11 @@ def test_the_health_probe_of_a_model_of_images_passes(photo_broker: RunningBroke
     loop = ProbeLoop(str(photo_broker.runtime_dir), ["nsfw_photo"], 1.0, 30.0, threading.Event())
     with _client(photo_broker) as c:
         assert loop._probe(c, "nsfw_photo") == ""
+
+
+def test_stats_name_where_the_decoder_runs(photo_broker: RunningBroker) -> None:
+    with _client(photo_broker) as c:
+        c.infer("nsfw_photo", good_rows()[0])
+    models = {m.name: m for w in photo_broker.stats().workers for m in w.models}
+    assert models["nsfw_photo"].decoder == "libjpeg-turbo on the worker's CPU"
+    assert models["nsfw_frames"].decoder == ""  # frames are not decoded

@@ -2,8 +2,8 @@
 that turn an image input's rows into pixels, one row each. Reading them loads no image library.
 
 A decoder is one class (``gpu_worker/photos.py``, ``Decoder``) and one row here; a worker takes the first
-decoder whose ``gpu`` matches its device. A GPU decoder (nvImageCodec, torchvision's ``decode_jpeg`` on CUDA)
-is one more row with ``gpu=True``.
+decoder whose ``gpu`` matches its device. A GPU worker's is a stage that decodes and preprocesses a whole batch
+on the device (``gpu_worker/devicephotos.py``, ``DevicePhotos``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ class DecoderEntry:
 DECODERS: tuple[DecoderEntry, ...] = (
     DecoderEntry("libjpeg-turbo", "shmbroker.gpu_worker.photos:TurboDecoder", False,
                  "JPEG with libjpeg-turbo (simplejpeg), DCT-domain downscaling to the preset's size; PNG with Pillow"),
+    DecoderEntry("nvjpeg", "shmbroker.gpu_worker.devicephotos:DevicePhotos", True,
+                 "JPEG with nvJPEG (torchvision's decode_jpeg on CUDA, one call a batch), preprocessed on the GPU into "
+                 "the engine's input; PNG and CMYK JPEG with Pillow on the worker's CPU, then uploaded"),
 )
 
 # name -> a line of help; the recipes are in gpu_worker/photos.py (PRESETS)

@@ -334,6 +334,7 @@ class ModelStats(msgspec.Struct):
     # GPU pipeline only: "queue" (per request), "h2d", "wait", "compute", "d2h" (per batch, CUDA events),
     # "answer" (per batch, host: the batch's end on the device to its DONEs sent); empty on CPU
     stages: dict[str, StageHistogram] = msgspec.field(default_factory=dict)
+    decoder: str = ""  # a model of images: which decoder turns its rows into pixels, and where; else ""
 
 
 class DropReason:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Photos on a GPU worker, in one 10-minute call on the GPU machine: tests/gpu/test_device_photos.py (a broker
+# and GPU worker decoding with nvJPEG and preprocessing on the device; scores of real photographs against the
+# CPU reference recipe; corrupt, truncated, non-image, oversized and bomb rows; the decoder named; the stage's
+# rows against the CPU preset's and its in-process images/s), then each test's figures. Logs and JSON go to
+# $OUT (default /tmp/gpu-photos). The machine's image lacks some of shmbroker's dependencies: fetch them here
+# with
+#   ../shared/device/prepare-wheels.sh msgspec==0.23.0 prometheus-client==0.26.0 rich==15.0.0 \
+#     markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 onnxconverter-common==1.16.0
+# (add nvidia-nvjpeg==13.2.3.58 if the preflight below says torchvision finds no libnvjpeg) and carry .whl:
+# this script installs them with that script's install line.
+#   bash bench/gpu_photos.sh
+set -uo pipefail
+out=${OUT:-/tmp/gpu-photos}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+for lib in /tmp/site/nvidia/*/lib; do  # a carried nvidia-nvjpeg: torch preloads only its own CUDA libraries
+  if [ -d "$lib" ]; then export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+done
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+python3 - <<'PY' 2>&1 | tee "$out/preflight.txt"
+import io
+import torch, torchvision
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_jpeg
+buf = io.BytesIO()
+Image.new("RGB", (64, 48), (1, 2, 3)).save(buf, "JPEG")
+print("torch", torch.__version__, "torchvision", torchvision.__version__, "CUDA", torch.version.cuda)
+t = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+print("decode_jpeg on cuda:", tuple(decode_jpeg([t], mode=ImageReadMode.RGB, device="cuda")[0].shape))
+PY
+SHMBROKER_GPU_PHOTOS_OUT="$out/figures" timeout 520 python3 -m pytest -q -p no:cacheprovider -rs \
+  tests/gpu/test_device_photos.py > "$out/tests.log" 2>&1
+echo "pytest exit $?"
+tail -n 40 "$out/tests.log"
+python3 - "$out/figures" <<'PY'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    print(f"{f.stem}: {json.dumps(json.loads(f.read_text()))}")
+PY

@@ -1,0 +1,432 @@
+"""Photos on a GPU worker: each batch's images decoded and preprocessed on the device, on the batch's stream,
+straight into the engine's input buffer (``DevicePhotos``), run by ``DevicePhotoRunner``.
+
+Per batch, (3a) on the CPU, without decoding: each row's bytes are read in place from its ring slot and its
+header checked (gpu_worker/imageheader.py: format, size against ``max_image_pixels``, an end marker); a request
+with a bad row is answered BAD_IMAGE naming the row and why, and the batch goes on without it. (3b) The JPEG
+rows are decoded in one batched call of torchvision's ``decode_jpeg`` on CUDA: nvJPEG, on the GPU's hardware
+JPEG engines for baseline files where it has them (A100, H100, H200), else on its CUDA cores with the Huffman
+stage on the host. The call runs on its own stream and holds the host until its decode ends, then makes the
+batch's stream wait for it; a batch it refuses (it gives no partial results) is decoded again one image at a
+time to find the bad rows. PNG rows, CMYK and other JPEGs nvJPEG does not take decode on the worker's CPU with
+Pillow, as a CPU worker's do, and are uploaded. (3c) The images are grouped by size and each group goes through
+the preset (gpu_worker/devicerecipe.py: Pillow's resize, the crop, the opennsfw JPEG round trip, channel order,
+normalisation, layout) on the batch's stream into its rows of the engine's input buffer, which is wrapped as a
+torch tensor without a copy. Frames (``input = "frames"``) are copied in and take (3c) alone.
+
+torch and torchvision are imported when a stage is built, never by the modules that import this one.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shmbroker.broker.common import protocol as P
+from shmbroker.gpu_worker import cuda
+from shmbroker.gpu_worker.batcher import Batcher, Take
+from shmbroker.gpu_worker.devicerecipe import DeviceRecipe
+from shmbroker.gpu_worker.engines.base import DeviceEngine, EngineError
+from shmbroker.gpu_worker.imageheader import JPEG, Header, read_header
+from shmbroker.gpu_worker.intake import ModelView, image_spans
+from shmbroker.gpu_worker.photos import PRESETS, ImageError, pillow_decode
+from shmbroker.gpu_worker.pipeline import PipelineRunner, _median_ms
+from shmbroker.gpu_worker.streams import StreamSlot
+from shmbroker.gpu_worker.work import ModelCounters, Work, reply
+
+log = logging.getLogger(__name__)
+
+# a group of same-size images goes through the recipe in chunks of at most this many pixels: its float64
+# copy (8 bytes a channel) stays under about 400 MB whatever the batch
+CHUNK_PIXELS = 1 << 24
+
+
+def group_by_size(shapes: Sequence[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
+    """The indices of ``shapes`` by (height, width), in first-seen order: one batched resize per group."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, shape in enumerate(shapes):
+        groups.setdefault(shape, []).append(i)
+    return groups
+
+
+def chunks(indices: list[int], pixels: int, budget: int = CHUNK_PIXELS) -> list[list[int]]:
+    """``indices`` (of images of ``pixels`` pixels each) split so that each chunk holds at most ``budget``
+    pixels, and at least one image."""
+    per = max(1, budget // max(1, pixels))
+    return [indices[i : i + per] for i in range(0, len(indices), per)]
+
+
+def engine_layout(preset: str, engine_shape: Sequence[int], model: str) -> bool:
+    """Whether the engine's input is NCHW (else NHWC) for the preset's rows; ValueError names the key."""
+    size = PRESETS[preset].size
+    if tuple(engine_shape[1:]) == (size, size, 3):
+        return False
+    if tuple(engine_shape[1:]) == (3, size, size):
+        return True
+    raise ValueError(f"models.{model}.preprocess: preset {preset!r} makes [N, {size}, {size}, 3] (or "
+                     f"[N, 3, {size}, {size}]) float32; the engine's input is {list(engine_shape)}")
+
+
+@dataclass
+class Batch:
+    """One batch through (3a)-(3b): the requests that still run, each with its decoded images, and those
+    answered BAD_IMAGE with their reasons."""
+
+    ok: list[Work] = field(default_factory=list)
+    images: list[list[Any]] = field(default_factory=list)  # per ok request: its rows, [3, H, W] uint8 on device
+    bad: list[tuple[Work, str]] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(i) for i in self.images)
+
+
+class CudaArray:
+    """A device buffer as ``__cuda_array_interface__`` (version 3): torch wraps it without a copy. No stream is
+    named: the buffer is the engine's, ordered by the batch's stream."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str = "<f4") -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
+                                         "strides": None, "version": 3, "stream": None}
+
+
+class DevicePhotos:
+    """One model's stage (3) on one GPU: ``run(works, slot)`` reads, checks, decodes and preprocesses a batch
+    into the slot's engine input buffer, on the slot's stream, and says which requests run and which are bad."""
+
+    def __init__(self, model: ModelView, preset: str, engine_shape: Sequence[int], device: int,
+                 max_pixels: int, frame_shape: Sequence[int] = ()) -> None:
+        try:
+            import torch
+            import torchvision
+            from torchvision.io import ImageReadMode, decode_jpeg
+        except ImportError as exc:
+            raise EngineError(f"models.{model.name}.input on a GPU worker decodes with torchvision on CUDA: "
+                              f"{exc}; install torch and torchvision (CUDA builds)") from None
+        self.torch = torch
+        self._decode_jpeg = decode_jpeg
+        self._rgb = ImageReadMode.RGB
+        self.model = model
+        self.name = model.inputs[0].name
+        self.device = torch.device("cuda", device)
+        self.max_pixels = max_pixels
+        self.setting = f"models.{model.name}.max_image_pixels"
+        self.frame_shape = tuple(frame_shape)
+        self.item_shape = tuple(int(d) for d in engine_shape[1:])
+        self.nchw = engine_layout(preset, engine_shape, model.name)
+        self.recipe = DeviceRecipe(preset, self.nchw, torch, lambda a: torch.as_tensor(a, device=self.device))
+        self.backend = (f"nvJPEG through torchvision {torchvision.__version__} decode_jpeg on cuda:{device} "
+                        f"({torch.cuda.get_device_name(device)}); PNG and CMYK on the worker's CPU (Pillow)")
+        self._streams: dict[int, Any] = {}
+        self._outs: dict[int, Any] = {}
+        self._frames: dict[int, Any] = {}
+        self._check_decoder()
+
+    def _check_decoder(self) -> None:
+        """One decode on the device now: a torchvision built without nvJPEG fails here, not on a request."""
+        from PIL import Image
+
+        with io.BytesIO() as buf:
+            Image.new("RGB", (32, 16), (200, 30, 90)).save(buf, format="JPEG")
+            data = bytearray(buf.getvalue())
+        try:
+            with self.torch.cuda.device(self.device):
+                out = self._decode_jpeg([self.torch.frombuffer(data, dtype=self.torch.uint8)], mode=self._rgb,
+                                        device=self.device)
+                self.torch.cuda.synchronize(self.device)
+        except RuntimeError as exc:
+            raise EngineError(f"models.{self.model.name}.input = \"image\" on a GPU worker: torchvision's "
+                              f"decode_jpeg on CUDA failed ({exc}); it needs torchvision's CUDA build and "
+                              "libnvjpeg (pip install nvidia-nvjpeg)") from None
+        if tuple(out[0].shape) != (3, 16, 32):
+            raise EngineError(f"torchvision's decode_jpeg on CUDA returned {tuple(out[0].shape)} for a 32x16 JPEG")
+
+    # -- per stream slot, made once ----------------------------------------------------------------------
+    def _stream(self, slot: StreamSlot) -> Any:
+        s = self._streams.get(slot.index)
+        if s is None:
+            s = self._streams[slot.index] = self.torch.cuda.ExternalStream(slot.stream.handle, device=self.device)
+        return s
+
+    def _out(self, slot: StreamSlot) -> Any:
+        """The slot's engine input buffer as a float32 tensor [max_batch, *item_shape], no copy."""
+        t = self._outs.get(slot.index)
+        if t is None:
+            shape = (self.model.max_batch, *self.item_shape)
+            t = self._outs[slot.index] = self.torch.as_tensor(CudaArray(slot.ctx.input_ptrs[0], shape),
+                                                               device=self.device)
+        return t
+
+    # -- one batch ---------------------------------------------------------------------------------------
+    def run(self, works: list[Work], slot: StreamSlot) -> Batch:
+        """(3) The batch's requests into the slot's engine input, queued on its stream; raises only for a fault
+        of the device or the stage (the caller fails the batch), never for a bad image."""
+        torch = self.torch
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream(slot)):
+            batch = self._frames_in(works, slot) if self.frame_shape else self._decode(works)
+            self._preprocess(batch, self._out(slot))
+        return batch
+
+    def run_rows(self, rows: list[memoryview], slot: StreamSlot) -> tuple[int, dict[int, str]]:
+        """(3) for encoded images that are not in a ring (the in-process limit, tests), each its own request:
+        how many went into the slot's engine input (in order), and the others' reasons by index."""
+        checked: list[list[tuple[memoryview, Header]]] = []
+        index: list[int] = []
+        bad: dict[int, str] = {}
+        for i, data in enumerate(rows):
+            try:
+                checked.append([(data, read_header(data, self.max_pixels, self.setting))])
+                index.append(i)
+            except ImageError as exc:
+                bad[i] = f"row 0: {exc}"
+        torch = self.torch
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream(slot)):
+            images, failed = self._decode_all(checked)
+            batch = Batch(images=[im for j, im in enumerate(images) if j not in failed])
+            self._preprocess(batch, self._out(slot))
+        bad.update({index[j]: why for j, why in failed.items()})
+        return batch.rows, bad
+
+    def _decode(self, works: list[Work]) -> Batch:
+        """(3a) headers, (3b) decodes: the requests whose every row decoded, with their images."""
+        batch = Batch()
+        rows: list[list[tuple[memoryview, Header]]] = []
+        checked: list[Work] = []
+        for w in works:
+            read = self._read(w)
+            if isinstance(read, str):
+                batch.bad.append((w, read))
+            else:
+                checked.append(w)
+                rows.append(read)
+        images, failed = self._decode_all(rows)
+        for i, w in enumerate(checked):
+            if i in failed:
+                batch.bad.append((w, failed[i]))
+            else:
+                batch.ok.append(w)
+                batch.images.append(images[i])
+        return batch
+
+    def _decode_all(self, rows: list[list[tuple[memoryview, Header]]]) -> tuple[list[list[Any]], dict[int, str]]:
+        """Each request's checked rows decoded: the JPEGs nvJPEG takes in one call on the device, the others on
+        the CPU; the images per request, and the first bad row of each failed request by its index."""
+        gpu = [(i, k) for i, r in enumerate(rows) for k, (_, h) in enumerate(r) if h.gpu]
+        images: list[list[Any]] = [[None] * len(r) for r in rows]
+        failed: dict[int, str] = {}
+        for (i, k), image in zip(gpu, self._decode_gpu([rows[i][k][0] for i, k in gpu]), strict=True):
+            if isinstance(image, str):
+                failed.setdefault(i, f"row {k}: {image}")
+            else:
+                images[i][k] = image
+        for i, r in enumerate(rows):
+            for k, (data, head) in enumerate(r):
+                if head.gpu or i in failed:
+                    continue
+                try:
+                    arr = pillow_decode(data, "JPEG" if head.kind == JPEG else "PNG", self.max_pixels, self.setting)
+                except ImageError as exc:
+                    failed[i] = f"row {k}: {exc}"
+                    continue
+                images[i][k] = self._upload(self.torch.from_numpy(arr)).permute(2, 0, 1)
+        return images, failed
+
+    def _upload(self, t: Any) -> Any:
+        """A host tensor to the device on the current stream, without holding the host for it (through
+        torch's page-locked staging, which keeps the block until the copy ends)."""
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _read(self, w: Work) -> list[tuple[memoryview, Header]] | str:
+        """Each row's bytes (in place, in the ring) and header, or the first bad row and why."""
+        t = w.req.tensors[0]
+        spans = image_spans(w.session, w.req.slot, t)  # again: the client may have written its slot since intake
+        if isinstance(spans, str):
+            return spans
+        buf = w.session.segment.buf
+        base = w.session.layout.input_bases[w.req.slot] + t.offset
+        out = []
+        for k, (off, n) in enumerate(spans):
+            data = buf[base + off : base + off + n]
+            try:
+                out.append((data, read_header(data, self.max_pixels, self.setting)))
+            except ImageError as exc:
+                return f"row {k}: {exc}"
+        return out
+
+    def _decode_gpu(self, rows: list[memoryview]) -> list[Any]:
+        """Each JPEG as [3, H, W] uint8 on the device, or why it did not decode: all in one call, or one at a
+        time where that call fails."""
+        if not rows:
+            return []
+        tensors = [self.torch.frombuffer(data, dtype=self.torch.uint8) for data in rows]
+        try:
+            return list(self._decode_jpeg(tensors, mode=self._rgb, device=self.device))
+        except RuntimeError:
+            if len(tensors) == 1:
+                return [self._one(tensors[0])]
+        return [self._one(t) for t in tensors]
+
+    def _one(self, t: Any) -> Any:
+        try:
+            return self._decode_jpeg([t], mode=self._rgb, device=self.device)[0]
+        except RuntimeError as exc:
+            return f"corrupt or truncated JPEG: {str(exc).splitlines()[0]}"
+
+    def _frames_in(self, works: list[Work], slot: StreamSlot) -> Batch:
+        """Frames: each request's rows copied from its ring slot into the slot's uint8 staging buffer."""
+        torch = self.torch
+        staging = self._frames.get(slot.index)
+        if staging is None:
+            staging = self._frames[slot.index] = torch.empty((self.model.max_batch, *self.frame_shape, 3),
+                                                             dtype=torch.uint8, device=self.device)
+        batch = Batch()
+        row = 0
+        for w in works:
+            t = w.req.tensors[0]
+            w.session.ensure_registered()  # page-locked: the copy runs on the stream without holding the host
+            start = w.session.layout.input_bases[w.req.slot] + t.offset
+            src = torch.frombuffer(w.session.segment.buf[start : start + t.nbytes], dtype=torch.uint8)
+            rows = staging[row : row + w.rows]
+            rows.copy_(src.view(rows.shape), non_blocking=True)
+            batch.ok.append(w)
+            batch.images.append(list(rows.permute(0, 3, 1, 2)))
+            row += w.rows
+        return batch
+
+    def _preprocess(self, batch: Batch, out: Any) -> None:
+        """(3c) Each size group, in chunks, through the recipe into its rows of ``out``."""
+        torch = self.torch
+        images = [img for per in batch.images for img in per]
+        for (h, w), members in group_by_size([(int(i.shape[1]), int(i.shape[2])) for i in images]).items():
+            for chunk in chunks(members, h * w):
+                x = torch.stack([images[i] for i in chunk]).to(torch.float64)
+                rows = self.recipe(x).to(torch.float32)
+                if chunk == list(range(chunk[0], chunk[0] + len(chunk))):
+                    out[chunk[0] : chunk[0] + len(chunk)] = rows
+                else:
+                    out.index_copy_(0, self._upload(torch.tensor(chunk)), rows)
+
+    def warm_up(self, slot: StreamSlot) -> float:
+        """Decode and preprocess one small image on the slot's stream (the first call of each sets up its
+        library state); the seconds it took."""
+        from PIL import Image
+
+        torch = self.torch
+        t0 = time.perf_counter()
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream(slot)):
+            if self.frame_shape:
+                images = [torch.zeros((3, *self.frame_shape), dtype=torch.uint8, device=self.device)]
+            else:
+                with io.BytesIO() as buf:
+                    Image.new("RGB", (320, 240), (90, 140, 200)).save(buf, format="JPEG")
+                    images = self._decode_gpu([memoryview(bytearray(buf.getvalue()))])
+            self._preprocess(Batch(images=[images]), self._out(slot))
+        slot.stream.synchronize()
+        return time.perf_counter() - t0
+
+
+class DevicePhotoRunner(PipelineRunner):
+    """A device engine whose clients send images or frames: step (3) is the photo stage (``DevicePhotos``)
+    instead of copies, and a request with a bad row is answered BAD_IMAGE before the batch computes. The stage
+    decodes on the host's time (the decoder holds the host for its decode), so batches never launch on the
+    intake thread and never fill early; the ``h2d`` stage times decode and preprocessing on the device."""
+
+    watches_ends = False
+
+    def __init__(self, model: ModelView, engine: DeviceEngine, batcher: Batcher[Work], counters: ModelCounters,
+                 streams: int, stage: DevicePhotos) -> None:
+        super().__init__(model, engine, batcher, counters, streams)
+        self.early = False
+        if self.plan is not None:
+            self.plan.lead_rows = 0  # a batch's rows reach the device together, through the stage
+        self.stage = stage
+        counters.decoder = stage.backend
+        log.info("model %s: images decode with %s", model.name, stage.backend)
+
+    @property
+    def cheap(self) -> bool:
+        return False
+
+    def try_inline(self, watch: bool = False) -> bool:
+        self.batcher.kick()
+        return False
+
+    def warm_up(self) -> None:
+        """As the pipeline's (each slot's context at 1 and ``max_batch`` rows, then timed), but with no copy
+        probe (rows reach the engine through the stage) and the stage warmed on each slot; the launch plan's
+        lead starts at the stage's time for one small image and learns from the batches."""
+        cuda.set_device(self.device)
+        for slot in self.slots:
+            for rows in sorted({1, self.model.max_batch}):
+                slot.ctx.enqueue(rows)
+            slot.stream.synchronize()
+        first = self.slots[0]
+        self.one_row_ms = _median_ms(first, 1)
+        self.max_batch_ms = _median_ms(first, self.model.max_batch)
+        took = [self.stage.warm_up(slot) for slot in self.slots]
+        if self.plan is not None:
+            self.plan.prime(min(took))
+        self._tell_batcher(list(getattr(first.ctx, "sizes", None) or ()))
+        log.info("model %s: %d stream slots warm; one row computes in %.3f ms, a batch of %d rows in %.3f ms; "
+                 "one image through the photo stage in %.1f ms", self.model.name, len(self.slots), self.one_row_ms,
+                 self.model.max_batch, self.max_batch_ms, min(took) * 1e3)
+
+    def _launch(self, slot: StreamSlot, take: Take[Work], watch: bool = False) -> None:
+        if not self._opened(slot, take):
+            return
+        now = time.monotonic()
+        works = take.batch
+        self._queued(works)
+        try:
+            slot.start.record(slot.stream.handle)
+            batch = self.stage.run(works, slot)  # (3)
+            self._answer_bad(batch.bad)
+            works, rows = batch.ok, batch.rows
+            if not works:
+                slot.rows = 0
+                slot.stream.synchronize()  # the stage's own work on the stream, before the slot is reused
+                self._finished(slot)
+                return
+            self._compute_out(slot, works, rows)  # (4)-(6)
+        except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
+            self._abandon(slot, works, exc)
+            return
+        self._launched_batch(slot, works, rows, now, now, filled=False)
+
+    def _answer_bad(self, bad: list[tuple[Work, str]]) -> None:
+        for w, why in bad:
+            self.counters.count(P.Status.BAD_IMAGE)
+            reply([w], P.Status.BAD_IMAGE, f"{self.model.inputs[0].name} {why}")
+
+
+def stage_limit(stage: DevicePhotos, slot: StreamSlot, rows: list[memoryview], repeats: int = 5) -> dict[str, float]:
+    """The in-process limit of decode + preprocess, and of decode + preprocess + engine, for one batch of
+    encoded images on one stream slot (for bench/): the best of ``repeats`` host-timed runs, each waited for on
+    the device; the seconds, the images/s, and how many rows went in."""
+    best_stage = best_all = math.inf
+    n = 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        n, _bad = stage.run_rows(rows, slot)
+        slot.stream.synchronize()
+        t1 = time.perf_counter()
+        slot.ctx.enqueue(n)
+        slot.stream.synchronize()
+        t2 = time.perf_counter()
+        best_stage, best_all = min(best_stage, t1 - t0), min(best_all, t2 - t0)
+    return {"rows": n, "stage_s": best_stage, "stage_images_per_s": n / best_stage,
+            "with_engine_s": best_all, "with_engine_images_per_s": n / best_all}
+
+
+def rows_as_array(stage: DevicePhotos, slot: StreamSlot, rows: int) -> np.ndarray:
+    """The first ``rows`` rows of the slot's engine input, copied to the host (tests)."""
+    slot.stream.synchronize()
+    out: np.ndarray = stage._out(slot)[:rows].cpu().numpy()
+    return out

@@ -1,0 +1,83 @@
+"""The parts of a GPU worker's photo stage (gpu_worker/devicephotos.py) that run without a GPU: grouping, the
+engine layout check, the device-buffer wrapper, the decoder table and the refusal where torchvision is missing.
+tests/gpu/test_device_photos.py runs the stage itself on a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from shmbroker.broker.common import imaging
+from shmbroker.broker.common import protocol as P
+from shmbroker.broker.common.config import ModelSection
+from shmbroker.gpu_worker.batcher import Batcher
+from shmbroker.gpu_worker.batching import BatchPolicy
+from shmbroker.gpu_worker.devicephotos import CudaArray, chunks, engine_layout, group_by_size
+from shmbroker.gpu_worker.engines.base import EngineError, IOSpec
+from shmbroker.gpu_worker.intake import ModelView, Photos
+from shmbroker.gpu_worker.models import device_photo_runner
+
+
+def test_images_group_by_size_in_first_seen_order() -> None:
+    shapes = [(480, 640), (1024, 768), (480, 640), (50, 50), (1024, 768), (480, 640)]
+    assert group_by_size(shapes) == {(480, 640): [0, 2, 5], (1024, 768): [1, 4], (50, 50): [3]}
+    assert group_by_size([]) == {}
+
+
+def test_a_group_splits_into_chunks_within_the_pixel_budget() -> None:
+    assert chunks(list(range(10)), 100, budget=300) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert chunks([4, 7], 10_000, budget=300) == [[4], [7]]  # one image over the budget still goes, alone
+    assert chunks([1, 2, 3], 100, budget=10_000) == [[1, 2, 3]]
+
+
+def test_the_engine_layout_follows_its_input_shape() -> None:
+    assert engine_layout("opennsfw", (-1, 224, 224, 3), "nsfw") is False
+    assert engine_layout("imagenet", (-1, 3, 224, 224), "resnet") is True
+    with pytest.raises(ValueError, match=r"models.resnet.preprocess: preset 'imagenet' makes .* \[-1, 3, 299, 299\]"):
+        engine_layout("imagenet", (-1, 3, 299, 299), "resnet")
+
+
+def test_the_engine_buffer_is_described_for_a_zero_copy_wrap() -> None:
+    face = CudaArray(0x7F00_0000_0000, (256, 224, 224, 3)).__cuda_array_interface__
+    assert face == {"shape": (256, 224, 224, 3), "typestr": "<f4", "data": (0x7F00_0000_0000, False),
+                    "strides": None, "version": 3, "stream": None}
+
+
+def test_the_decoder_table_has_a_row_for_each_kind_of_worker() -> None:
+    cpu, gpu = imaging.decoder_for(gpu=False), imaging.decoder_for(gpu=True)
+    assert cpu is not None and cpu.name == "libjpeg-turbo"
+    assert gpu is not None and gpu.name == "nvjpeg" and gpu.gpu
+    assert gpu.load_class().__name__ == "DevicePhotos"  # imports without torch: torch loads when a stage is built
+
+
+class _DeviceEngine:
+    """What device_photo_runner reads of a GPU engine (no context is made before the stage)."""
+
+    device = 0
+    inputs = [IOSpec("data", np.dtype(np.float32), (-1, 224, 224, 3))]
+    outputs = [IOSpec("prob", np.dtype(np.float32), (-1, 2))]
+
+    def create_context(self, *args: object) -> None:
+        raise AssertionError("no stream slot is made before the stage loads")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed here")
+def test_a_gpu_worker_without_torchvision_refuses_a_photo_model_naming_the_key() -> None:
+    mc = ModelSection(path="m.onnx", input="image", preprocess="opennsfw")
+    view = ModelView(0, "nsfw_photo", 8, [IOSpec("image", np.dtype(np.uint8), (-1,))], _DeviceEngine.outputs, 1000,
+                     Photos(P.InputKind.IMAGE, mc.max_image_bytes, mc.max_image_pixels, "opennsfw"))
+    with pytest.raises(EngineError, match=r"models\.nsfw_photo\.input on a GPU worker .* install torch and "
+                                          r"torchvision"):
+        device_photo_runner(view, _DeviceEngine(), Batcher(BatchPolicy.from_config(mc, device=True)),  # type: ignore[arg-type]
+                            mc)
+
+
+def test_model_stats_name_the_decoder_and_read_old_replies() -> None:
+    import msgspec
+
+    stats = P.ModelStats("m", {}, 0, {}, 0, decoder="nvjpeg on cuda:0")
+    assert msgspec.json.decode(msgspec.json.encode(stats), type=P.ModelStats).decoder == "nvjpeg on cuda:0"
+    old = b'{"name":"m","requests":{},"batches":0,"batch_items":{},"queue_depth":0}'
+    assert msgspec.json.decode(old, type=P.ModelStats).decoder == ""
