@@ -30,14 +30,13 @@ from typing import Any
 import numpy as np
 
 from shmbroker.broker.common import protocol as P
-from shmbroker.gpu_worker import cuda
-from shmbroker.gpu_worker.batcher import Batcher, Take
+from shmbroker.gpu_worker.batcher import Batcher
 from shmbroker.gpu_worker.devicerecipe import DeviceRecipe
 from shmbroker.gpu_worker.engines.base import DeviceEngine, EngineError
 from shmbroker.gpu_worker.imageheader import JPEG, Header, read_header
-from shmbroker.gpu_worker.intake import ModelView, image_spans
+from shmbroker.gpu_worker.intake import ModelView, image_rows
 from shmbroker.gpu_worker.photos import PRESETS, ImageError, pillow_decode
-from shmbroker.gpu_worker.pipeline import PipelineRunner, _median_ms
+from shmbroker.gpu_worker.pipeline import PipelineRunner
 from shmbroker.gpu_worker.streams import StreamSlot
 from shmbroker.gpu_worker.work import ModelCounters, Work, reply
 
@@ -245,15 +244,11 @@ class DevicePhotos:
 
     def _read(self, w: Work) -> list[tuple[memoryview, Header]] | str:
         """Each row's bytes (in place, in the ring) and header, or the first bad row and why."""
-        t = w.req.tensors[0]
-        spans = image_spans(w.session, w.req.slot, t)  # again: the client may have written its slot since intake
-        if isinstance(spans, str):
-            return spans
-        buf = w.session.segment.buf
-        base = w.session.layout.input_bases[w.req.slot] + t.offset
+        images = image_rows(w.session, w.req)
+        if isinstance(images, str):
+            return images
         out = []
-        for k, (off, n) in enumerate(spans):
-            data = buf[base + off : base + off + n]
+        for k, data in enumerate(images):
             try:
                 out.append((data, read_header(data, self.max_pixels, self.setting)))
             except ImageError as exc:
@@ -362,14 +357,7 @@ class DevicePhotoRunner(PipelineRunner):
         """As the pipeline's (each slot's context at 1 and ``max_batch`` rows, then timed), but with no copy
         probe (rows reach the engine through the stage) and the stage warmed on each slot; the launch plan's
         lead starts at the stage's time for one small image and learns from the batches."""
-        cuda.set_device(self.device)
-        for slot in self.slots:
-            for rows in sorted({1, self.model.max_batch}):
-                slot.ctx.enqueue(rows)
-            slot.stream.synchronize()
-        first = self.slots[0]
-        self.one_row_ms = _median_ms(first, 1)
-        self.max_batch_ms = _median_ms(first, self.model.max_batch)
+        first = self._warm_contexts()
         took = [self.stage.warm_up(slot) for slot in self.slots]
         if self.plan is not None:
             self.plan.prime(min(took))
@@ -378,27 +366,12 @@ class DevicePhotoRunner(PipelineRunner):
                  "one image through the photo stage in %.1f ms", self.model.name, len(self.slots), self.one_row_ms,
                  self.model.max_batch, self.max_batch_ms, min(took) * 1e3)
 
-    def _launch(self, slot: StreamSlot, take: Take[Work], watch: bool = False) -> None:
-        if not self._opened(slot, take):
-            return
-        now = time.monotonic()
-        works = take.batch
-        self._queued(works)
-        try:
-            slot.start.record(slot.stream.handle)
-            batch = self.stage.run(works, slot)  # (3)
-            self._answer_bad(batch.bad)
-            works, rows = batch.ok, batch.rows
-            if not works:
-                slot.rows = 0
-                slot.stream.synchronize()  # the stage's own work on the stream, before the slot is reused
-                self._finished(slot)
-                return
-            self._compute_out(slot, works, rows)  # (4)-(6)
-        except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
-            self._abandon(slot, works, exc)
-            return
-        self._launched_batch(slot, works, rows, now, now, filled=False)
+    def _inputs_in(self, slot: StreamSlot, works: list[Work]) -> tuple[list[Work], int]:
+        """(3) The stage decodes and preprocesses the batch into the engine's input; its bad rows' requests are
+        answered here."""
+        batch = self.stage.run(works, slot)
+        self._answer_bad(batch.bad)
+        return batch.ok, batch.rows
 
     def _answer_bad(self, bad: list[tuple[Work, str]]) -> None:
         for w, why in bad:

@@ -167,6 +167,18 @@ def image_spans(session: WorkerSession, slot: int, t: P.TensorDesc) -> list[tupl
     return P.image_spans(session.segment.buf[base : base + n_table], t.shape[0], t.nbytes)
 
 
+def image_rows(session: WorkerSession, req: P.SubmitRequest) -> list[memoryview] | str:
+    """Each image row of a checked request (its first input) as a view of its slot, or why its row table is
+    bad: read again where the rows are decoded, since the client may have written its slot since intake."""
+    t = req.tensors[0]
+    spans = image_spans(session, req.slot, t)
+    if isinstance(spans, str):
+        return spans
+    buf = session.segment.buf
+    base = session.layout.input_bases[req.slot] + t.offset
+    return [buf[base + off : base + off + n] for off, n in spans]
+
+
 def input_arrays(session: WorkerSession, req: P.SubmitRequest, model: ModelView) -> list[np.ndarray]:
     """Views of a checked request's inputs in its slot, in model input order."""
     views: list[np.ndarray] = [np.empty(0)] * len(model.inputs)

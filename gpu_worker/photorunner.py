@@ -15,7 +15,7 @@ import numpy as np
 from shmbroker.broker.common import protocol as P
 from shmbroker.gpu_worker.batcher import Batcher
 from shmbroker.gpu_worker.engines.base import Engine
-from shmbroker.gpu_worker.intake import ModelView, image_spans
+from shmbroker.gpu_worker.intake import ModelView, image_rows
 from shmbroker.gpu_worker.photos import ImageError, Preprocessor
 from shmbroker.gpu_worker.runner import ModelRunner, _Buffers
 from shmbroker.gpu_worker.work import ModelCounters, Work, reply
@@ -81,13 +81,8 @@ class PhotoRunner(ModelRunner):
 
     def _decode(self, w: Work, batch: np.ndarray, row: int) -> str | None:
         """Decode ``w``'s rows into ``batch`` from ``row`` on; None, or the first bad row and why."""
-        t = w.req.tensors[0]
-        spans = image_spans(w.session, w.req.slot, t)  # again: the client may have written its slot since intake
-        if isinstance(spans, str):
-            return spans
-        buf = w.session.segment.buf
-        base = w.session.layout.input_bases[w.req.slot] + t.offset
-        return self.decode_rows([buf[base + off : base + off + n] for off, n in spans], batch, row)
+        images = image_rows(w.session, w.req)
+        return images if isinstance(images, str) else self.decode_rows(images, batch, row)
 
     def decode_rows(self, images: Sequence[memoryview], batch: np.ndarray, row: int) -> str | None:
         """Decode and preprocess ``images`` into ``batch`` from ``row`` on (the worker's path from a request's

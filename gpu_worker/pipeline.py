@@ -180,14 +180,7 @@ class PipelineRunner(BatchRunner):
         """Run every stream slot's context at 1 row and ``max_batch`` rows (CUDA graphs are captured then, not
         on the first requests), and time one max batch with the slot's events; then tell the batcher the
         prepared batch sizes and the launch plan's bound (``Batcher.device_ready``)."""
-        cuda.set_device(self.device)
-        for slot in self.slots:
-            for rows in sorted({1, self.model.max_batch}):
-                slot.ctx.enqueue(rows)
-            slot.stream.synchronize()
-        slot = self.slots[0]
-        self.one_row_ms = _median_ms(slot, 1)
-        self.max_batch_ms = _median_ms(slot, self.model.max_batch)
+        slot = self._warm_contexts()
         self.copy_probe = probe_batched_copies(slot, self.model.inputs[0].item_bytes, self.model.max_batch)
         self.copies.batched = bool(self.copy_probe["batched"])
         if self.plan is not None:
@@ -197,6 +190,19 @@ class PipelineRunner(BatchRunner):
                  "copies of a batch issued %s (%s)", self.model.name, len(self.slots), self.one_row_ms,
                  self.model.max_batch, self.max_batch_ms,
                  "in one cudaMemcpyBatchAsync" if self.copies.batched else "one call per tensor", self.copy_probe)
+
+    def _warm_contexts(self) -> StreamSlot:
+        """Run every slot's context at 1 row and ``max_batch`` rows, and time both on the first slot (its events,
+        the median of three), which it returns."""
+        cuda.set_device(self.device)
+        for slot in self.slots:
+            for rows in sorted({1, self.model.max_batch}):
+                slot.ctx.enqueue(rows)
+            slot.stream.synchronize()
+        first = self.slots[0]
+        self.one_row_ms = _median_ms(first, 1)
+        self.max_batch_ms = _median_ms(first, self.model.max_batch)
+        return first
 
     # -- runner thread -------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -256,12 +262,22 @@ class PipelineRunner(BatchRunner):
         self._queued(works)
         try:
             slot.start.record(slot.stream.handle)
-            rows = self._copy_in(slot, works, 0)  # (3)
+            works, rows = self._inputs_in(slot, works)  # (3)
+            if not works:  # every request was answered at (3)
+                slot.rows = 0
+                slot.stream.synchronize()  # what (3) queued on the stream, before the slot is reused
+                self._finished(slot)
+                return
             self._compute_out(slot, works, rows)  # (4)-(6)
         except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
             self._abandon(slot, works, exc)
             return
         self._launched_batch(slot, works, rows, now, now, filled=False, watch=watch)
+
+    def _inputs_in(self, slot: StreamSlot, works: list[Work]) -> tuple[list[Work], int]:
+        """(3) The batch's inputs into the slot's buffers, on its stream: the requests that go on to the engine
+        (a subclass may answer others here) and their rows."""
+        return works, self._copy_in(slot, works, 0)
 
     def _opened(self, slot: StreamSlot, take: Take[Work]) -> bool:
         """(2) Answer the take's timed-out requests; whether a batch is left (if not, the slot goes back)."""

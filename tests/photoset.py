@@ -14,9 +14,11 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from shmbroker.bench.photoset import sources
+from shmbroker.client import BadImage, Client
 
 
 @functools.cache
@@ -135,3 +137,27 @@ def reference(data: list[bytes] | list[np.ndarray]) -> np.ndarray:
     x = np.stack([preprocess(d) for d in data]).astype(np.float32)
     out: np.ndarray = sess.run(None, {sess.get_inputs()[0].name: x})[0]
     return out
+
+
+def bad_among_good(c: Client, model: str, timeout_s: float) -> dict[str, str]:
+    """Submit every bad row of ``bad_rows`` beside good ones, in flight together so that they share batches; check
+    each good answer against the reference (1e-2) and that each bad one fails BAD_IMAGE naming row 0 and why.
+    Returns each bad row's error text by name."""
+    good = good_rows()
+    want = reference(good)
+    bad = bad_rows()
+    futs = []
+    for k, (name, (data, _why)) in enumerate(bad.items()):
+        futs.append((name, c.submit(model, data)))
+        futs.append((f"good{k % 3}", c.submit(model, good[k % 3])))
+    answers: dict[str, str] = {}
+    for name, fut in futs:
+        if name.startswith("good"):
+            np.testing.assert_allclose(np.asarray(fut.result(timeout_s))[0], want[int(name[4:])], atol=1e-2)
+            continue
+        with pytest.raises(BadImage) as info:
+            fut.result(timeout_s)
+        assert info.value.code == "BAD_IMAGE", (name, info.value.code)
+        assert "row 0" in str(info.value) and bad[name][1] in str(info.value), (name, str(info.value))
+        answers[name] = str(info.value)
+    return answers

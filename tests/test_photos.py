@@ -9,9 +9,7 @@ import json
 import os
 import subprocess
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +18,7 @@ from shmbroker.bench.photoset import MATE_NATURE
 from shmbroker.client import AsyncClient, BadImage, BadInput, Client
 from tests import photoset
 from tests.conftest import CLI, REPO, RunningBroker, photo_model, start_broker
-from tests.photoset import bad_rows, good_rows, reference
+from tests.photoset import bad_among_good, bad_rows, good_rows, reference
 from tests.photoset import jpeg as _jpeg
 from tests.photoset import png as _png
 
@@ -82,22 +80,8 @@ def test_scores_of_real_photos_match_the_reference(photo_broker: RunningBroker) 
 
 
 def test_bad_rows_are_answered_alone_while_the_batch_succeeds(photo_broker: RunningBroker) -> None:
-    good = good_rows()
-    want = reference(good)
-    bad = bad_rows()
     with _client(photo_broker) as c:  # in flight together: the worker batches them (max_batch 4)
-        futs: list[tuple[str, Future[Any]]] = []
-        for k, (name, (data, _why)) in enumerate(bad.items()):
-            futs.append((name, c.submit("nsfw_photo", data)))
-            futs.append((f"good{k % 3}", c.submit("nsfw_photo", good[k % 3])))
-        for name, fut in futs:
-            if name.startswith("good"):
-                np.testing.assert_allclose(np.asarray(fut.result(60))[0], want[int(name[4:])], atol=1e-2)
-                continue
-            with pytest.raises(BadImage) as info:
-                fut.result(60)
-            assert "row 0" in str(info.value) and bad[name][1] in str(info.value), (name, str(info.value))
-            assert info.value.code == "BAD_IMAGE"
+        bad_among_good(c, "nsfw_photo", 60)
     assert photo_broker.health().ready  # the worker went on
 
 
