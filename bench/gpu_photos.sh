@@ -8,7 +8,10 @@
 #   ../shared/device/prepare-wheels.sh msgspec==0.23.0 prometheus-client==0.26.0 rich==15.0.0 \
 #     markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 onnxconverter-common==1.16.0
 # (add nvidia-nvjpeg==13.2.3.58 if the preflight below says torchvision finds no libnvjpeg) and carry .whl:
-# this script installs them with that script's install line.
+# this script installs them with that script's install line. The image lacks the packages that ship the test
+# photographs (scikit-image, scikit-learn, matplotlib, mate-backgrounds): write them here with
+#   python -m shmbroker.bench.photoset --export .gpu/photos        (about 15 MB)
+# and carry .gpu too; this script points SHMBROKER_PHOTO_DIR at them.
 #   bash bench/gpu_photos.sh
 set -uo pipefail
 out=${OUT:-/tmp/gpu-photos}
@@ -19,6 +22,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     .whl/*.whl || exit
   export PYTHONPATH=/tmp/site:$PWD
 fi
+if [ -d .gpu/photos ]; then export SHMBROKER_PHOTO_DIR=$PWD/.gpu/photos; fi
 for lib in /tmp/site/nvidia/*/lib; do  # a carried nvidia-nvjpeg: torch preloads only its own CUDA libraries
   if [ -d "$lib" ]; then export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
 done

@@ -3,7 +3,8 @@
 
 Sources: scikit-image's bundled samples, scikit-learn's ``load_sample_images``, matplotlib's ``grace_hopper.jpg``
 (those three in the dev extra) and the nature photographs of Debian's ``mate-backgrounds``. tests/photoset.py
-takes its photographs from ``sources`` too.
+takes its photographs from ``sources`` too. On a machine without those packages (the GPU machine's image),
+``python -m shmbroker.bench.photoset --export DIR`` here and ``SHMBROKER_PHOTO_DIR=DIR`` there give the same set.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -24,6 +26,7 @@ from PIL import Image
 
 from shmbroker.bench.common import BenchError, Figures, Progress
 
+log = logging.getLogger(__name__)
 SIZES: tuple[tuple[int, int], ...] = ((640, 480), (1280, 960), (1920, 1440))
 QUALITY = 90
 FORMAT_VERSION = 1  # part of the cache key: a change to how the set is made builds it again
@@ -31,6 +34,7 @@ FORMAT_VERSION = 1  # part of the cache key: a change to how the set is made bui
 SKIMAGE = ("astronaut", "camera", "chelsea", "coffee", "rocket", "hubble_deep_field", "coins", "moon", "clock",
            "immunohistochemistry", "retina", "brick", "grass", "gravel")
 MATE_NATURE = Path("/usr/share/backgrounds/mate/nature")
+PHOTO_DIR_ENV = "SHMBROKER_PHOTO_DIR"  # a folder that ``export`` wrote: the set from its files instead
 MISSING_HINT = ("install the dev extra (pip install 'shmbroker[dev]': scikit-image, scikit-learn, matplotlib) or "
                 "Debian's mate-backgrounds")
 
@@ -47,6 +51,9 @@ def sources(strict: bool = False) -> dict[str, Callable[[], Image.Image]]:
     ``strict``: a missing scikit-image, scikit-learn or matplotlib raises ImportError (tests must not shrink their
     set in silence); otherwise its photographs are left out.
     """
+    exported = os.environ.get(PHOTO_DIR_ENV)
+    if exported:
+        return _exported(Path(exported))
     found: dict[str, Callable[[], Image.Image]] = {}
     for group in (_skimage, _sklearn, _matplotlib):
         try:
@@ -58,6 +65,30 @@ def sources(strict: bool = False) -> dict[str, Callable[[], Image.Image]]:
         for path in sorted(MATE_NATURE.glob("*.jpg")):
             found[f"mate/{path.stem}"] = functools.partial(lambda p: Image.open(p).convert("RGB"), path)
     return found
+
+
+def _exported(folder: Path) -> dict[str, Callable[[], Image.Image]]:
+    """The photographs ``export`` wrote to ``folder``, by source name; BenchError naming the variable if none."""
+    files = sorted(folder.glob("*__*.png")) + sorted(folder.glob("*__*.jpg"))
+    if not files:
+        raise BenchError(f"{PHOTO_DIR_ENV}={folder}: no photographs there; write them with "
+                         f"python -m shmbroker.bench.photoset --export {folder}")
+    return {path.stem.replace("__", "/", 1): functools.partial(lambda p: Image.open(p).convert("RGB"), path)
+            for path in files}
+
+
+def export(folder: Path) -> int:
+    """Write every photograph of ``sources(strict=True)`` to ``folder``: the packages' as lossless PNG, the files
+    as they are on disk; returns how many."""
+    folder.mkdir(parents=True, exist_ok=True)
+    loaders = sources(strict=True)
+    for name, load in loaders.items():
+        group, stem = name.split("/", 1)
+        if group == "mate":
+            shutil.copyfile(MATE_NATURE / f"{stem}.jpg", folder / f"{group}__{stem}.jpg")
+        else:
+            load().save(folder / f"{group}__{stem}.png")
+    return len(loaders)
 
 
 def _skimage() -> dict[str, Callable[[], Image.Image]]:
@@ -221,3 +252,12 @@ def _write(folder: Path, size: Size, images: dict[str, Image.Image]) -> PhotoSet
     if found is None:
         raise BenchError(f"the photo set written to {folder} cannot be read back")
     return found
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ap = argparse.ArgumentParser(prog="python -m shmbroker.bench.photoset",
+                                 description="write the photographs for a machine without their packages")
+    ap.add_argument("--export", type=Path, required=True, metavar="DIR")
+    folder = ap.parse_args().export
+    log.info("wrote %d photographs to %s: use them with %s=%s", export(folder), folder, PHOTO_DIR_ENV, folder)

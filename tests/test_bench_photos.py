@@ -190,3 +190,17 @@ def test_the_clients_pillow_row_is_opennsfws_own_recipe() -> None:
     np.testing.assert_array_equal(nchw[0], row[0].transpose(2, 0, 1))
     big = _jpeg(Image.new("RGB", (2400, 2400), (200, 100, 50)))
     assert photo_load.pillow_row(big, photo_load.recipe("imagenet"), 1024, nchw=False).shape == (1, 224, 224, 3)
+
+
+def test_an_exported_set_gives_the_same_photographs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU machine lacks the packages that ship the photographs: ``export`` here, SHMBROKER_PHOTO_DIR there."""
+    here = photoset.sources(strict=True)
+    assert photoset.export(tmp_path / "set") == len(here)
+    monkeypatch.setenv(photoset.PHOTO_DIR_ENV, str(tmp_path / "set"))
+    there = photoset.sources(strict=True)
+    assert sorted(there) == sorted(here)
+    for name in sorted(here)[:: max(1, len(here) // 6)]:  # a few of each group, pixel for pixel
+        np.testing.assert_array_equal(np.asarray(there[name]()), np.asarray(here[name]()), err_msg=name)
+    monkeypatch.setenv(photoset.PHOTO_DIR_ENV, str(tmp_path / "empty"))
+    with pytest.raises(BenchError, match="SHMBROKER_PHOTO_DIR"):
+        photoset.sources()
