@@ -183,7 +183,8 @@ def test_a_full_backlog_makes_the_fetch_wait_for_room(tmp_path: Path) -> None:
         server = threading.Thread(target=answer_all, args=(listener, filled, served), daemon=True)
         server.start()
         fetcher.join(60)
-    assert served.is_set()
+        server.join(10)  # it sets ``served`` just after its answer, which the fetch may have read before that
+    assert served.is_set(), f"the fetch's connection was not answered: outcome {outcome}, {filled} filled the backlog"
     assert len(outcome) == 1 and "the session is gone or the token is wrong" in str(outcome[0]), outcome
 
 
