@@ -14,9 +14,11 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from multiprocessing.context import SpawnContext, SpawnProcess
 from typing import Any
+
+import psutil
 
 from shmbroker.bench.common import BenchError, Figures, Progress
 from shmbroker.broker.common import proc
@@ -135,3 +137,24 @@ def _collect(results: mp.Queue[tuple[int, bool, Any]], out: dict[int, Figures], 
                     while True:
                         _record(results.get_nowait(), out, errors)
                 return
+
+
+def tree_cpu_s(roots: Iterable[int], cache: dict[int, psutil.Process] | None = None) -> float:
+    """User + system CPU seconds of the processes ``roots`` and all their descendants alive now; ``cache`` keeps
+    the Process objects of a sampler that asks often."""
+    cache = {} if cache is None else cache
+    total = 0.0
+    for root in roots:
+        try:
+            procs = [psutil.Process(root)]
+            procs += procs[0].children(recursive=True)
+        except psutil.Error:
+            continue
+        for p in procs:
+            q = cache.setdefault(p.pid, p)
+            try:
+                t = q.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+    return total

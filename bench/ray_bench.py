@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
+from shmbroker.bench import procs
 from shmbroker.bench.broker_proc import BrokerProcess
 from shmbroker.bench.common import BenchError, Figures, Progress, emit, latency_summary
 from shmbroker.broker.common import runtime
@@ -64,19 +64,6 @@ def free_port() -> int:
         return port
 
 
-def tree_cpu_s() -> float:
-    """CPU seconds of this process and every descendant alive now."""
-    me = psutil.Process()
-    total = 0.0
-    for p in (me, *me.children(recursive=True)):
-        try:
-            t = p.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += t.user + t.system
-    return total
-
-
 async def chains(call: Callable[[], Awaitable[object]], warmup_s: float, window_s: float) -> Figures:
     """``IN_FLIGHT`` chains of ``call`` for ``warmup_s`` then ``window_s``; the window's answers, latency, errors
     and CPU."""
@@ -101,9 +88,9 @@ async def chains(call: Callable[[], Awaitable[object]], warmup_s: float, window_
 
     async def meter() -> None:  # the window's edges on the clock; not a readiness wait
         await asyncio.sleep(max(0.0, (count_ns - clock()) / 1e9))
-        cpu.append(tree_cpu_s())
+        cpu.append(procs.tree_cpu_s([os.getpid()]))
         await asyncio.sleep(max(0.0, (end_ns - clock()) / 1e9))
-        cpu.append(tree_cpu_s())
+        cpu.append(procs.tree_cpu_s([os.getpid()]))
 
     await asyncio.gather(meter(), *(chain() for _ in range(IN_FLIGHT)))
     done = len(samples)

@@ -9,6 +9,7 @@ the way an application that holds the engine runs a batch.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import time
 from dataclasses import dataclass
@@ -19,6 +20,16 @@ import numpy as np
 from shmbroker.broker.common import config
 from shmbroker.gpu_worker import model_source
 from shmbroker.gpu_worker.engines import Engine, is_device_engine, load_engine
+
+
+def server_parser(module: str) -> argparse.ArgumentParser:
+    """The options every HTTP peer server takes: the broker config and model it runs, where it listens."""
+    ap = argparse.ArgumentParser(prog=f"python -m shmbroker.bench.peers.{module}")
+    ap.add_argument("--config", required=True, help="the broker config whose model every server runs")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    return ap
 
 
 class PeerEngineError(RuntimeError):

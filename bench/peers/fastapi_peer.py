@@ -10,7 +10,6 @@ No ``from __future__ import annotations`` here: FastAPI reads the endpoints' ann
 is imported where the app is built, not at module level, so a string would not resolve).
 """
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -122,11 +121,7 @@ def build_app(batcher: Batcher, mi: E.ModelInfo) -> Any:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    ap = argparse.ArgumentParser(prog="python -m shmbroker.bench.peers.fastapi_peer")
-    ap.add_argument("--config", required=True, help="the broker config whose model every server runs")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--host", default="127.0.0.1")
+    ap = E.server_parser("fastapi_peer")
     ap.add_argument("--instances", type=int, default=1, help="engine instances, each running one batch at a time")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="fastapi-peer %(levelname)s %(message)s")

@@ -11,7 +11,6 @@ No ``from __future__ import annotations`` here: LitServe hands ``decode_request`
 object, and a string would not resolve in LitServe's module.
 """
 
-import argparse
 import logging
 from typing import Annotated, Any
 
@@ -54,11 +53,7 @@ class EngineAPI(ls.LitAPI):  # type: ignore[misc]
 def main(argv: list[str] | None = None) -> int:
     from shmbroker.broker.common import config
 
-    ap = argparse.ArgumentParser(prog="python -m shmbroker.bench.peers.litserve_peer")
-    ap.add_argument("--config", required=True, help="the broker config whose model every server runs")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--host", default="127.0.0.1")
+    ap = E.server_parser("litserve_peer")
     ap.add_argument("--workers", type=int, default=1, help="inference worker processes on the device "
                                                            "(workers_per_device)")
     args = ap.parse_args(argv)

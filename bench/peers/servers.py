@@ -13,11 +13,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
 
+from shmbroker.bench import procs
 from shmbroker.bench.common import BenchError
 
 READY_POLL_S = 0.25
@@ -114,25 +114,6 @@ class ServerProcess:
             return "(no log)"
 
 
-def tree_cpu_s(roots: Iterable[int], cache: dict[int, psutil.Process]) -> float:
-    """User + system CPU seconds of the processes ``roots`` and all their descendants, now."""
-    total = 0.0
-    for root in roots:
-        try:
-            procs = [psutil.Process(root)]
-            procs += procs[0].children(recursive=True)
-        except psutil.Error:
-            continue
-        for p in procs:
-            q = cache.setdefault(p.pid, p)
-            try:
-                t = q.cpu_times()
-            except psutil.Error:
-                continue
-            total += t.user + t.system
-    return total
-
-
 class Sampler(threading.Thread):
     """Every ``period_s``: the CPU seconds of the processes under ``roots`` and, when ``gpu`` is an ordinal, the
     GPU's utilization (NVML), each with its monotonic time."""
@@ -162,7 +143,7 @@ class Sampler(threading.Thread):
             while not stopping:
                 stopping = self._stop_event.is_set()  # one reading more after stop(): past the last window's end
                 now = time.monotonic()
-                self.cpu.append((now, tree_cpu_s(self.roots, self._cache)))
+                self.cpu.append((now, procs.tree_cpu_s(self.roots, self._cache)))
                 if nvml is not None:
                     self.util.append((now, float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)))
                 self.first.set()
