@@ -200,7 +200,9 @@ def preset_geometry(preset: str, height: int, width: int, size: int = 224) -> tu
 
 class DeviceRecipe:
     """``__call__(x)``: a group of images of one size, [N, 3, H, W] float64 RGB 0..255, to the preset's rows,
-    [N, 224, 224, 3] (or [N, 3, 224, 224] with ``nchw``) float64 (the caller's copy makes them float32)."""
+    [N, 224, 224, 3] (or [N, 3, 224, 224] with ``nchw``) float64 (the caller's copy makes them float32). It is
+    ``finish(crop(x))``: a batch of photos of many sizes takes ``crop`` once per size and ``finish`` once,
+    so the launches that depend on the photos' count are the resize's alone."""
 
     def __init__(self, preset: str, nchw: bool, xp: Any, const: Callable[[np.ndarray], Any] = lambda a: a,
                  size: int = 224) -> None:
@@ -231,19 +233,40 @@ class DeviceRecipe:
 
     def resize(self, x: Any, height: int, width: int) -> Any:
         """Pillow's ``resize((width, height), BILINEAR)``: horizontal pass first, each pass rounded to 0..255."""
-        one = float(1 << PRECISION_BITS)
-        half = float(1 << (PRECISION_BITS - 1))
+        return self._resized(x, height, width, (0, height), (0, width))
+
+    def _resized(self, x: Any, height: int, width: int, rows: tuple[int, int], cols: tuple[int, int]) -> Any:
+        """Rows ``rows`` and columns ``cols`` (start, stop) of ``resize(x, height, width)``: each output pixel
+        has its own coefficients, so only those of the window are computed, and they equal the whole's."""
         if x.shape[-1] != width:
-            x = self.xp.floor((x @ self._w(x.shape[-1], width).T + half) / one).clip(0.0, 255.0)
+            x = self._pass(x @ self._w(x.shape[-1], width)[cols[0] : cols[1]].T)
+        else:
+            x = x[..., cols[0] : cols[1]]
         if x.shape[-2] != height:
-            x = self.xp.floor((self._w(x.shape[-2], height) @ x + half) / one).clip(0.0, 255.0)
+            x = self._pass(self._w(x.shape[-2], height)[rows[0] : rows[1]] @ x)
+        else:
+            x = x[..., rows[0] : rows[1], :]
         return x
 
-    def __call__(self, x: Any) -> Any:
+    @staticmethod
+    def _pass(acc: Any) -> Any:
+        """A pass's sums to 8 bits as Pillow's clip8: (sum + 2**21) >> 22, clamped to 0..255."""
+        return ((acc + float(1 << (PRECISION_BITS - 1))) // float(1 << PRECISION_BITS)).clip(0.0, 255.0)
+
+    def crop(self, x: Any) -> Any:
+        """The per-size step: a group of images of one size, [N, 3, H, W] float64 RGB 0..255, resized and
+        cropped as the preset does, [N, 3, size, size] (only the crop's pixels are computed)."""
         h, w, top, left = preset_geometry(self.preset, x.shape[-2], x.shape[-1], self.size)
         s = self.size
-        x = self.resize(x, h, w)[..., top : top + s, left : left + s]
+        return self._resized(x, h, w, (top, top + s), (left, left + s))
+
+    def finish(self, x: Any) -> Any:
+        """The batch step: ``crop``'s rows of any images, [N, 3, size, size], through the rest of the preset
+        (the opennsfw JPEG round trip, channel order, normalisation) into its layout, float64."""
         if self.trip is not None:
             x = self.trip(x)[:, [2, 1, 0]]
         x = x * self.mul + self.add
         return x if self.nchw else self.xp.moveaxis(x, 1, 3)
+
+    def __call__(self, x: Any) -> Any:
+        return self.finish(self.crop(x))

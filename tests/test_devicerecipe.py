@@ -94,6 +94,28 @@ def _scores(rows: np.ndarray) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("preset", ["imagenet", "opennsfw"])
+def test_the_crop_alone_equals_the_crop_of_the_whole_resize(preset: str) -> None:
+    """Only the crop's pixels are computed, and each equals that of the whole resize then cropped."""
+    from shmbroker.gpu_worker.devicerecipe import preset_geometry
+
+    recipe = DeviceRecipe(preset, False, np)
+    for img in [*_photos(4), Image.new("RGB", (256, 300), (10, 200, 30)), Image.new("RGB", (240, 180))]:
+        x = _batch(img)
+        h, w, top, left = preset_geometry(preset, x.shape[-2], x.shape[-1])
+        whole = recipe.resize(x, h, w)[..., top : top + 224, left : left + 224]
+        np.testing.assert_array_equal(recipe.crop(x), whole)
+
+
+def test_photos_of_many_sizes_finish_as_one_batch() -> None:
+    """``crop`` per size, then one ``finish`` over the photos together: the rows of each photo alone."""
+    recipe = DeviceRecipe("opennsfw", True, np)
+    photos = _photos(5)
+    together = recipe.finish(np.concatenate([recipe.crop(_batch(img)) for img in photos]))
+    for i, img in enumerate(photos):
+        np.testing.assert_array_equal(together[i], recipe(_batch(img))[0])
+
+
 def test_coefficients_of_only_the_latest_sizes_are_kept() -> None:
     from shmbroker.gpu_worker import devicerecipe
 
