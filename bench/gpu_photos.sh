@@ -11,7 +11,14 @@
 # this script installs them with that script's install line. The image lacks the packages that ship the test
 # photographs (scikit-image, scikit-learn, matplotlib, mate-backgrounds): write them here with
 #   python -m shmbroker.bench.photoset --export .gpu/photos        (about 15 MB)
-# and carry .gpu too; this script points SHMBROKER_PHOTO_DIR at them.
+# and carry .gpu/photos too; this script points SHMBROKER_PHOTO_DIR at them. nvImageCodec's wheel (27 MB) with
+# nvJPEG's does not fit beside those: carry .gpu/nvimgcodec.tgz, the parts of them a cp312 worker loads, made with
+#   pip download --no-deps --only-binary :all: --python-version 3.12 --platform manylinux2014_x86_64 -d W \
+#     nvidia-nvimgcodec-cu13==0.6.1.37 nvidia-nvjpeg==13.3.2.43
+#   mkdir P && cd P && for w in ../W/*.whl; do unzip -q "$w" 'nvidia/*'; done && rm nvidia/__init__.py \
+#     nvidia/nvimgcodec/nvimgcodec_impl.cpython-3{8,9,10,11,13,13t}-* \
+#     nvidia/nvimgcodec/extensions/lib{nvjpeg2k,nvtiff,opencv,tiff}_ext* && tar czf ../.gpu/nvimgcodec.tgz nvidia
+# (10.5 MB); without it the stage decodes with torchvision (gpu_worker/devicedecoders.py).
 #   bash bench/gpu_photos.sh
 set -uo pipefail
 out=${OUT:-/tmp/gpu-photos}
@@ -22,6 +29,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     .whl/*.whl || exit
   export PYTHONPATH=/tmp/site:$PWD
 fi
+if [ -f .gpu/nvimgcodec.tgz ]; then mkdir -p /tmp/site && tar xzf .gpu/nvimgcodec.tgz -C /tmp/site; fi
 if [ -d .gpu/photos ]; then export SHMBROKER_PHOTO_DIR=$PWD/.gpu/photos; fi
 for lib in /tmp/site/nvidia/*/lib; do  # a carried nvidia-nvjpeg: torch preloads only its own CUDA libraries
   if [ -d "$lib" ]; then export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
@@ -37,6 +45,11 @@ Image.new("RGB", (64, 48), (1, 2, 3)).save(buf, "JPEG")
 print("torch", torch.__version__, "torchvision", torchvision.__version__, "CUDA", torch.version.cuda)
 t = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 print("decode_jpeg on cuda:", tuple(decode_jpeg([t], mode=ImageReadMode.RGB, device="cuda")[0].shape))
+from shmbroker.gpu_worker.devicedecoders import NoDecoder, open_decoder
+try:
+    print("the stage's decoder:", open_decoder(torch, 0).backend)
+except NoDecoder as exc:
+    print("no decoder:", exc.reasons)
 PY
 SHMBROKER_GPU_PHOTOS_OUT="$out/figures" timeout 520 python3 -m pytest -q -p no:cacheprovider -rs \
   tests/gpu/test_device_photos.py > "$out/tests.log" 2>&1

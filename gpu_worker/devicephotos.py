@@ -1,20 +1,21 @@
 """Photos on a GPU worker: each batch's images decoded and preprocessed on the device, on the batch's stream,
 straight into the engine's input buffer (``DevicePhotos``), run by ``DevicePhotoRunner``.
 
-Per batch, (3a) on the CPU, without decoding: each row's bytes are read in place from its ring slot and its
-header checked (gpu_worker/imageheader.py: format, size against ``max_image_pixels``, an end marker); a request
-with a bad row is answered BAD_IMAGE naming the row and why, and the batch goes on without it. (3b) The JPEG
-rows are decoded in one batched call of torchvision's ``decode_jpeg`` on CUDA: nvJPEG, on the GPU's hardware
-JPEG engines for baseline files where it has them (A100, H100, H200), else on its CUDA cores with the Huffman
-stage on the host. The call runs on its own stream and holds the host until its decode ends, then makes the
-batch's stream wait for it; a batch it refuses (it gives no partial results) is decoded again one image at a
-time to find the bad rows. PNG rows, CMYK and other JPEGs nvJPEG does not take decode on the worker's CPU with
-Pillow, as a CPU worker's do, and are uploaded. (3c) The images are grouped by size and each group goes through
-the preset (gpu_worker/devicerecipe.py: Pillow's resize, the crop, the opennsfw JPEG round trip, channel order,
-normalisation, layout) on the batch's stream into its rows of the engine's input buffer, which is wrapped as a
-torch tensor without a copy. Frames (``input = "frames"``) are copied in and take (3c) alone.
+Per batch, (3a) on the CPU, without decoding: each row's bytes are read in place from its ring slot and its header
+checked (gpu_worker/imageheader.py: format, size against ``max_image_pixels``, an end marker); a request with a bad
+row is answered BAD_IMAGE naming the row and why, and the batch goes on without it. (3b) The JPEG rows are decoded
+in one batched call of the first decoder of gpu_worker/devicedecoders.py that works on the device (nvImageCodec's
+nvJPEG with libjpeg's chroma upsampling, else torchvision's decode_jpeg), on the batch's stream; a row that does
+not decode is answered alone. The decoded images are kept until the slot's next batch. PNG rows, CMYK and other
+JPEGs nvJPEG does not take decode on the worker's CPU with Pillow, as a CPU worker's do, and are uploaded. (3c) The
+images are grouped by size and each group is resized and cropped (gpu_worker/devicerecipe.py: Pillow's resize,
+computed for the crop's pixels only), then the batch's crops go through the rest of the preset together (the
+opennsfw JPEG round trip, channel order, normalisation, layout) on the batch's stream into the engine's input
+buffer, which is wrapped as a torch tensor without a copy: a batch of photos of as many sizes costs a dozen
+launches a photo and one preset's worth for the batch. Frames (``input = "frames"``) are copied in and take (3c)
+alone.
 
-torch and torchvision are imported when a stage is built, never by the modules that import this one.
+torch and the decoders are imported when a stage is built, never by the modules that import this one.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.gpu_worker.batcher import Batcher
+from shmbroker.gpu_worker.devicedecoders import NoDecoder, open_decoder
 from shmbroker.gpu_worker.devicerecipe import DeviceRecipe
 from shmbroker.gpu_worker.engines.base import DeviceEngine, EngineError
 from shmbroker.gpu_worker.imageheader import JPEG, Header, read_header
@@ -104,14 +106,14 @@ class DevicePhotos:
                  max_pixels: int, frame_shape: Sequence[int] = ()) -> None:
         try:
             import torch
-            import torchvision
-            from torchvision.io import ImageReadMode, decode_jpeg
         except ImportError as exc:
-            raise EngineError(f"models.{model.name}.input on a GPU worker decodes with torchvision on CUDA: "
-                              f"{exc}; install torch and torchvision (CUDA builds)") from None
+            raise EngineError(f"models.{model.name}.input on a GPU worker decodes on CUDA with torch: {exc}; "
+                              "install torch (a CUDA build)") from None
         self.torch = torch
-        self._decode_jpeg = decode_jpeg
-        self._rgb = ImageReadMode.RGB
+        try:
+            self.decoder = open_decoder(torch, device)
+        except NoDecoder as exc:
+            raise EngineError(f"models.{model.name}.input = \"image\" on a GPU worker: {exc}") from None
         self.model = model
         self.name = model.inputs[0].name
         self.device = torch.device("cuda", device)
@@ -121,31 +123,14 @@ class DevicePhotos:
         self.item_shape = tuple(int(d) for d in engine_shape[1:])
         self.nchw = engine_layout(preset, engine_shape, model.name)
         self.recipe = DeviceRecipe(preset, self.nchw, torch, lambda a: torch.as_tensor(a, device=self.device))
-        self.backend = (f"nvJPEG through torchvision {torchvision.__version__} decode_jpeg on cuda:{device} "
-                        f"({torch.cuda.get_device_name(device)}); PNG and CMYK on the worker's CPU (Pillow)")
+        self._finish_rows = max(1, CHUNK_PIXELS // (self.recipe.size * self.recipe.size))
+        self.backend = f"{self.decoder.backend}; PNG and CMYK on the worker's CPU (Pillow)"
         self._streams: dict[int, Any] = {}
         self._outs: dict[int, Any] = {}
         self._frames: dict[int, Any] = {}
-        self._check_decoder()
-
-    def _check_decoder(self) -> None:
-        """One decode on the device now: a torchvision built without nvJPEG fails here, not on a request."""
-        from PIL import Image
-
-        with io.BytesIO() as buf:
-            Image.new("RGB", (32, 16), (200, 30, 90)).save(buf, format="JPEG")
-            data = bytearray(buf.getvalue())
-        try:
-            with self.torch.cuda.device(self.device):
-                out = self._decode_jpeg([self.torch.frombuffer(data, dtype=self.torch.uint8)], mode=self._rgb,
-                                        device=self.device)
-                self.torch.cuda.synchronize(self.device)
-        except RuntimeError as exc:
-            raise EngineError(f"models.{self.model.name}.input = \"image\" on a GPU worker: torchvision's "
-                              f"decode_jpeg on CUDA failed ({exc}); it needs torchvision's CUDA build and "
-                              "libnvjpeg (pip install nvidia-nvjpeg)") from None
-        if tuple(out[0].shape) != (3, 16, 32):
-            raise EngineError(f"torchvision's decode_jpeg on CUDA returned {tuple(out[0].shape)} for a 32x16 JPEG")
+        # each slot's last decoded images, kept until its next batch: the decoder's buffers outlive their reads
+        # on the slot's stream, whoever allocated them
+        self._held: dict[int, list[list[Any]]] = {}
 
     # -- per stream slot, made once ----------------------------------------------------------------------
     def _stream(self, slot: StreamSlot) -> Any:
@@ -169,8 +154,9 @@ class DevicePhotos:
         of the device or the stage (the caller fails the batch), never for a bad image."""
         torch = self.torch
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream(slot)):
-            batch = self._frames_in(works, slot) if self.frame_shape else self._decode(works)
+            batch = self._frames_in(works, slot) if self.frame_shape else self._decode(works, slot)
             self._preprocess(batch, self._out(slot))
+        self._held[slot.index] = batch.images
         return batch
 
     def run_rows(self, rows: list[memoryview], slot: StreamSlot) -> tuple[int, dict[int, str]]:
@@ -187,13 +173,14 @@ class DevicePhotos:
                 bad[i] = f"row 0: {exc}"
         torch = self.torch
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream(slot)):
-            images, failed = self._decode_all(checked)
+            images, failed = self._decode_all(checked, slot)
             batch = Batch(images=[im for j, im in enumerate(images) if j not in failed])
             self._preprocess(batch, self._out(slot))
+        self._held[slot.index] = batch.images
         bad.update({index[j]: why for j, why in failed.items()})
         return batch.rows, bad
 
-    def _decode(self, works: list[Work]) -> Batch:
+    def _decode(self, works: list[Work], slot: StreamSlot) -> Batch:
         """(3a) headers, (3b) decodes: the requests whose every row decoded, with their images."""
         batch = Batch()
         rows: list[list[tuple[memoryview, Header]]] = []
@@ -205,7 +192,7 @@ class DevicePhotos:
             else:
                 checked.append(w)
                 rows.append(read)
-        images, failed = self._decode_all(rows)
+        images, failed = self._decode_all(rows, slot)
         for i, w in enumerate(checked):
             if i in failed:
                 batch.bad.append((w, failed[i]))
@@ -214,13 +201,15 @@ class DevicePhotos:
                 batch.images.append(images[i])
         return batch
 
-    def _decode_all(self, rows: list[list[tuple[memoryview, Header]]]) -> tuple[list[list[Any]], dict[int, str]]:
+    def _decode_all(self, rows: list[list[tuple[memoryview, Header]]],
+                    slot: StreamSlot) -> tuple[list[list[Any]], dict[int, str]]:
         """Each request's checked rows decoded: the JPEGs nvJPEG takes in one call on the device, the others on
         the CPU; the images per request, and the first bad row of each failed request by its index."""
         gpu = [(i, k) for i, r in enumerate(rows) for k, (_, h) in enumerate(r) if h.gpu]
         images: list[list[Any]] = [[None] * len(r) for r in rows]
         failed: dict[int, str] = {}
-        for (i, k), image in zip(gpu, self._decode_gpu([rows[i][k][0] for i, k in gpu]), strict=True):
+        decoded = self.decoder.decode([rows[i][k][0] for i, k in gpu], self._stream(slot)) if gpu else []
+        for (i, k), image in zip(gpu, decoded, strict=True):
             if isinstance(image, str):
                 failed.setdefault(i, f"row {k}: {image}")
             else:
@@ -255,25 +244,6 @@ class DevicePhotos:
                 return f"row {k}: {exc}"
         return out
 
-    def _decode_gpu(self, rows: list[memoryview]) -> list[Any]:
-        """Each JPEG as [3, H, W] uint8 on the device, or why it did not decode: all in one call, or one at a
-        time where that call fails."""
-        if not rows:
-            return []
-        tensors = [self.torch.frombuffer(data, dtype=self.torch.uint8) for data in rows]
-        try:
-            return list(self._decode_jpeg(tensors, mode=self._rgb, device=self.device))
-        except RuntimeError:
-            if len(tensors) == 1:
-                return [self._one(tensors[0])]
-        return [self._one(t) for t in tensors]
-
-    def _one(self, t: Any) -> Any:
-        try:
-            return self._decode_jpeg([t], mode=self._rgb, device=self.device)[0]
-        except RuntimeError as exc:
-            return f"corrupt or truncated JPEG: {str(exc).splitlines()[0]}"
-
     def _frames_in(self, works: list[Work], slot: StreamSlot) -> Batch:
         """Frames: each request's rows copied from its ring slot into the slot's uint8 staging buffer."""
         torch = self.torch
@@ -296,17 +266,25 @@ class DevicePhotos:
         return batch
 
     def _preprocess(self, batch: Batch, out: Any) -> None:
-        """(3c) Each size group, in chunks, through the recipe into its rows of ``out``."""
+        """(3c) Each size group, in chunks, resized and cropped (``DeviceRecipe.crop``), then the batch's crops
+        through the rest of the preset at once (``finish``) into the first rows of ``out``."""
         torch = self.torch
         images = [img for per in batch.images for img in per]
+        if not images:
+            return
+        crops = torch.empty((len(images), 3, self.recipe.size, self.recipe.size), dtype=torch.float64,
+                            device=self.device)
         for (h, w), members in group_by_size([(int(i.shape[1]), int(i.shape[2])) for i in images]).items():
             for chunk in chunks(members, h * w):
-                x = torch.stack([images[i] for i in chunk]).to(torch.float64)
-                rows = self.recipe(x).to(torch.float32)
+                x = images[chunk[0]][None] if len(chunk) == 1 else torch.stack([images[i] for i in chunk])
+                rows = self.recipe.crop(x.to(torch.float64))
                 if chunk == list(range(chunk[0], chunk[0] + len(chunk))):
-                    out[chunk[0] : chunk[0] + len(chunk)] = rows
+                    crops[chunk[0] : chunk[0] + len(chunk)] = rows
                 else:
-                    out.index_copy_(0, self._upload(torch.tensor(chunk)), rows)
+                    crops.index_copy_(0, self._upload(torch.tensor(chunk)), rows)
+        for start in range(0, len(images), self._finish_rows):
+            end = min(len(images), start + self._finish_rows)
+            out[start:end] = self.recipe.finish(crops[start:end]).to(torch.float32)
 
     def warm_up(self, slot: StreamSlot) -> float:
         """Decode and preprocess one small image on the slot's stream (the first call of each sets up its
@@ -321,7 +299,7 @@ class DevicePhotos:
             else:
                 with io.BytesIO() as buf:
                     Image.new("RGB", (320, 240), (90, 140, 200)).save(buf, format="JPEG")
-                    images = self._decode_gpu([memoryview(bytearray(buf.getvalue()))])
+                    images = self.decoder.decode([memoryview(bytearray(buf.getvalue()))], self._stream(slot))
             self._preprocess(Batch(images=[images]), self._out(slot))
         slot.stream.synchronize()
         return time.perf_counter() - t0

@@ -1,5 +1,6 @@
 """The parts of a GPU worker's photo stage (gpu_worker/devicephotos.py) that run without a GPU: grouping, the
-engine layout check, the device-buffer wrapper, the decoder table and the refusal where torchvision is missing.
+engine layout check, the device-buffer wrapper, the decoder tables and the refusals where torch or every GPU
+decoder is missing.
 tests/gpu/test_device_photos.py runs the stage itself on a GPU."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.config import ModelSection
 from shmbroker.gpu_worker.batcher import Batcher
 from shmbroker.gpu_worker.batching import BatchPolicy
+from shmbroker.gpu_worker.devicedecoders import DECODERS, NoDecoder, open_decoder
 from shmbroker.gpu_worker.devicephotos import CudaArray, chunks, engine_layout, group_by_size
 from shmbroker.gpu_worker.engines.base import EngineError, IOSpec
 from shmbroker.gpu_worker.intake import ModelView, Photos
@@ -63,15 +65,33 @@ class _DeviceEngine:
         raise AssertionError("no stream slot is made before the stage loads")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed here")
-def test_a_gpu_worker_without_torchvision_refuses_a_photo_model_naming_the_key() -> None:
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed here")
+def test_a_gpu_worker_without_torch_refuses_a_photo_model_naming_the_key() -> None:
     mc = ModelSection(path="m.onnx", input="image", preprocess="opennsfw")
     view = ModelView(0, "nsfw_photo", 8, [IOSpec("image", np.dtype(np.uint8), (-1,))], _DeviceEngine.outputs, 1000,
                      Photos(P.InputKind.IMAGE, mc.max_image_bytes, mc.max_image_pixels, "opennsfw"))
-    with pytest.raises(EngineError, match=r"models\.nsfw_photo\.input on a GPU worker .* install torch and "
-                                          r"torchvision"):
+    with pytest.raises(EngineError, match=r"models\.nsfw_photo\.input on a GPU worker decodes on CUDA with torch: "
+                                          r".*install torch"):
         device_photo_runner(view, _DeviceEngine(), Batcher(BatchPolicy.from_config(mc, device=True)),  # type: ignore[arg-type]
                             mc)
+
+
+def test_with_no_decoder_that_opens_the_error_gives_each_ones_reason() -> None:
+    """Each decoder of the table is tried in order; where none opens (here: no CUDA build of torch, nor
+    nvImageCodec), the error names every one, why, and what to install."""
+    assert list(DECODERS) == ["nvimgcodec", "torchvision"]  # libjpeg's chroma upsampling first
+
+    class NoCuda:
+        class cuda:  # torch's attribute
+            @staticmethod
+            def get_device_name(device: int) -> str:
+                raise RuntimeError("Found no NVIDIA driver on your system")
+
+    with pytest.raises(NoDecoder) as err:
+        open_decoder(NoCuda(), 0)
+    assert list(err.value.reasons) == ["nvimgcodec", "torchvision"]
+    assert all(err.value.reasons.values())
+    assert "pip install nvidia-nvimgcodec-cu13" in str(err.value)
 
 
 def test_model_stats_name_the_decoder_and_read_old_replies() -> None:

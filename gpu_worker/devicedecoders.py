@@ -1,0 +1,144 @@
+"""The GPU worker's JPEG decoders, one table (``DECODERS``, in order of preference): each turns a batch of JPEG
+rows into [3, H, W] uint8 RGB tensors on the device, queued on the caller's stream, or says why a row did not
+decode. ``open_decoder`` takes the first that imports and decodes a test image on this device.
+
+- ``nvimgcodec``: nvImageCodec's nvJPEG (the card's hardware JPEG engines where it has them, else CUDA) with
+  libjpeg's "fancy" (triangular) chroma upsampling, so its pixels are those of the CPU recipe's Pillow but for
+  the inverse DCT's rounding; EXIF orientation is not applied (the CPU recipe applies none). A row it cannot
+  decode comes back alone.
+- ``torchvision``: torchvision's ``decode_jpeg`` on CUDA (nvJPEG, its chroma upsampling nearer-neighbour). A
+  batch it refuses is decoded again one row at a time to find the bad rows.
+
+torch, torchvision and nvImageCodec are imported when a decoder is opened, never by the modules that import
+this one.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class DeviceDecoder(Protocol):
+    """A batch of JPEG rows to device images, on ``stream`` (a ``torch.cuda`` stream)."""
+
+    backend: str
+
+    def decode(self, rows: list[memoryview], stream: Any) -> list[Any]:
+        """Each row as [3, H, W] uint8 on the device, or a ``str``: why it did not decode."""
+        ...
+
+
+class NvImageCodecDecoder:
+    """nvImageCodec's decoder with fancy upsampling and no EXIF rotation (see the module's docstring)."""
+
+    def __init__(self, torch: Any, device: int) -> None:
+        from nvidia import nvimgcodec
+
+        self._nv = nvimgcodec
+        self._torch = torch
+        # the GPU backends only: where nvJPEG is missing its CPU fallback (libjpeg-turbo) would decode on the
+        # worker's cores without a word; then this decoder fails its test image and the next one is tried
+        kinds = [nvimgcodec.BackendKind.HW_GPU_ONLY, nvimgcodec.BackendKind.GPU_ONLY]
+        self._decoder = nvimgcodec.Decoder(device_id=device, backend_kinds=kinds, options=":fancy_upsampling=1")
+        self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
+                                               allow_any_depth=False)
+        self.backend = (f"nvImageCodec {getattr(nvimgcodec, '__version__', '?')} (nvJPEG, fancy upsampling) on "
+                        f"cuda:{device} ({torch.cuda.get_device_name(device)})")
+
+    def decode(self, rows: list[memoryview], stream: Any) -> list[Any]:
+        codes = [self._nv.CodeStream(np.frombuffer(r, dtype=np.uint8)) for r in rows]
+        images = self._decoder.decode(codes, params=self._params, cuda_stream=stream.cuda_stream)
+        return [self._tensor(im) if im is not None else "corrupt or truncated JPEG: nvImageCodec could not decode it"
+                for im in images]
+
+    def _tensor(self, image: Any) -> Any:
+        """An image (on the device, or on the host where a CPU codec took it) as [3, H, W], no copy on the device."""
+        return self._torch.from_dlpack(image.cuda()).permute(2, 0, 1)
+
+
+class TorchvisionDecoder:
+    """torchvision's ``decode_jpeg`` on CUDA (see the module's docstring)."""
+
+    def __init__(self, torch: Any, device: int) -> None:
+        import torchvision
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        self._torch = torch
+        self._decode_jpeg = decode_jpeg
+        self._rgb = ImageReadMode.RGB
+        self._device = torch.device("cuda", device)
+        self.backend = (f"nvJPEG through torchvision {torchvision.__version__} decode_jpeg on cuda:{device} "
+                        f"({torch.cuda.get_device_name(device)})")
+
+    def decode(self, rows: list[memoryview], stream: Any) -> list[Any]:
+        tensors = [self._torch.frombuffer(r, dtype=self._torch.uint8) for r in rows]
+        try:
+            return list(self._decode_jpeg(tensors, mode=self._rgb, device=self._device))
+        except RuntimeError:
+            if len(tensors) == 1:
+                return [self._one(tensors[0])]
+        return [self._one(t) for t in tensors]
+
+    def _one(self, t: Any) -> Any:
+        try:
+            return self._decode_jpeg([t], mode=self._rgb, device=self._device)[0]
+        except RuntimeError as exc:
+            return f"corrupt or truncated JPEG: {str(exc).splitlines()[0]}"
+
+
+DECODERS: dict[str, Callable[[Any, int], DeviceDecoder]] = {
+    "nvimgcodec": NvImageCodecDecoder,
+    "torchvision": TorchvisionDecoder,
+}
+
+
+class NoDecoder(RuntimeError):
+    """No decoder of ``DECODERS`` works on this device; ``reasons`` has each one's."""
+
+    def __init__(self, reasons: dict[str, str]) -> None:
+        self.reasons = reasons
+        super().__init__("no GPU JPEG decoder works here: " + "; ".join(f"{k}: {v}" for k, v in reasons.items())
+                         + " (pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg, or torchvision's CUDA build)")
+
+
+def test_image() -> bytes:
+    """A 32x16 JPEG, 4:2:0, one colour."""
+    from PIL import Image
+
+    with io.BytesIO() as buf:
+        Image.new("RGB", (32, 16), (200, 30, 90)).save(buf, format="JPEG")
+        return buf.getvalue()
+
+
+def open_decoder(torch: Any, device: int, names: tuple[str, ...] = tuple(DECODERS)) -> DeviceDecoder:
+    """The first decoder of ``names`` that opens and decodes ``test_image`` to [3, 16, 32] on ``device``.
+
+    Raises:
+        NoDecoder: none did, with each one's reason.
+    """
+    reasons: dict[str, str] = {}
+    data = test_image()
+    for name in names:
+        try:
+            decoder = DECODERS[name](torch, device)
+            with torch.cuda.device(device):
+                stream = torch.cuda.current_stream(device)
+                out = decoder.decode([memoryview(bytearray(data))], stream)[0]
+                stream.synchronize()
+        except (ImportError, RuntimeError, OSError) as exc:
+            reasons[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            continue
+        if isinstance(out, str) or tuple(out.shape) != (3, 16, 32):
+            reasons[name] = f"decoded a 32x16 JPEG to {out if isinstance(out, str) else tuple(out.shape)}"
+            continue
+        if reasons:
+            log.info("JPEG decoder %s (%s)", name, "; ".join(f"{k}: {v}" for k, v in reasons.items()))
+        return decoder
+    raise NoDecoder(reasons)
