@@ -2,7 +2,8 @@
 # Photos on a GPU worker, in one 10-minute call on the GPU machine: tests/gpu/test_device_photos.py (a broker
 # and GPU worker decoding with nvJPEG and preprocessing on the device; scores of real photographs against the
 # CPU reference recipe; corrupt, truncated, non-image, oversized and bomb rows; the decoder named; the stage's
-# rows against the CPU preset's and its in-process images/s), then each test's figures. Logs and JSON go to
+# rows against the CPU preset's and its in-process images/s), then each test's figures, then the photo bench's
+# (a), (b) and (c) on bench/gpu_photos.toml (`shmbroker bench --photos --quick`). Logs and JSON go to
 # $OUT (default /tmp/gpu-photos). The machine's image lacks some of shmbroker's dependencies: fetch them here
 # with
 #   ../shared/device/prepare-wheels.sh msgspec==0.23.0 prometheus-client==0.26.0 rich==15.0.0 \
@@ -60,3 +61,8 @@ import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     print(f"{f.stem}: {json.dumps(json.loads(f.read_text()))}")
 PY
+# the acceptance benches (a), (b), (c) on the GPU worker, while time is left (BENCH_S, default 300 s)
+timeout "${BENCH_S:-300}" python3 -m shmbroker.bench.photos --config bench/gpu_photos.toml --quick \
+  --out "$out/photos.json" > "$out/photos.md" 2> "$out/photos.log"
+echo "bench.photos exit $?"
+cat "$out/photos.md"; tail -n 5 "$out/photos.log"

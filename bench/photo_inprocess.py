@@ -4,7 +4,8 @@ Each shape (``instances`` threads x the engine's intra-op threads) is the worker
 worker's builder (``gpu_worker.models.photo_runner``) from the config's model section: each thread decodes and
 preprocesses a batch of encoded photos into its own engine input (``PhotoRunner.decode_rows``, the path a
 request's rows take in the worker), then runs the engine on it (``PhotoRunner.feeds``), back to back, as the
-runner's instance threads do. ``Limit.sweep`` finds the best shape and batch size; ``Limit.measure`` times that
+runner's instance threads do; on a GPU worker the one shape is its device stage and stream slots
+(bench/photo_device.py). ``Limit.sweep`` finds the best shape and batch size; ``Limit.measure`` times that
 one again in windows that take turns with the broker's (bench/paired.py), as bench/inprocess.py does for tensors.
 """
 
@@ -20,6 +21,8 @@ import msgspec
 import numpy as np
 
 from shmbroker.bench.common import BenchError, Figures, Progress
+from shmbroker.bench.photo_device import DeviceShape, device_shape
+from shmbroker.bench.photo_tally import Tally, batches, tally_figures
 from shmbroker.broker.common.config import Config
 from shmbroker.gpu_worker import model_source, models
 from shmbroker.gpu_worker.batcher import Batcher
@@ -35,48 +38,6 @@ ROUND_S = 1.0  # shapes and batch sizes take turns in rounds of about this long 
 
 
 @dataclass
-class Tally:
-    """What one shape did at one batch size: batches, wall seconds, the seconds each thread spent decoding and in
-    the engine (summed over threads), and this process's CPU seconds (the engine's own pool threads included)."""
-
-    runs: int = 0
-    seconds: float = 0.0
-    decode_s: float = 0.0
-    engine_s: float = 0.0
-    cpu_s: float = 0.0
-
-    def add(self, other: Tally) -> None:
-        self.runs += other.runs
-        self.seconds += other.seconds
-        self.decode_s += other.decode_s
-        self.engine_s += other.engine_s
-        self.cpu_s += other.cpu_s
-
-
-def tally_figures(t: Tally, batch: int, instances: int) -> Figures:
-    """A tally as JSON figures: images/s, ms per batch, and per image the decode and engine time of its thread and
-    the process's CPU time; ``bound_by`` says which of decode and engine takes longer."""
-    images = t.runs * batch
-    if not images or t.seconds <= 0:
-        return {"runs": t.runs, "seconds": round(t.seconds, 3), "items_per_s": 0.0}
-    decode_ms, engine_ms = 1e3 * t.decode_s / images, 1e3 * t.engine_s / images
-    return {"runs": t.runs, "seconds": round(t.seconds, 3),
-            "ms_per_batch": round(1e3 * t.seconds * instances / t.runs, 2),
-            "items_per_s": round(images / t.seconds, 2),
-            "decode_ms_per_image": round(decode_ms, 3), "engine_ms_per_image": round(engine_ms, 3),
-            "cpu_us_per_image": round(1e6 * t.cpu_s / images, 1),
-            "bound_by": "decode" if decode_ms > engine_ms else "engine"}
-
-
-def batches(images: int, batch: int, thread: int, instances: int) -> list[list[int]]:
-    """The photo indices of each batch a thread takes in one pass: the threads start at evenly spaced photos, so
-    that instances running at once decode different ones; every batch has ``batch`` indices, wrapping around."""
-    start = thread * images // max(1, instances)
-    count = max(1, images // batch) if images >= batch else 1
-    return [[(start + k * batch + j) % images for j in range(batch)] for k in range(count)]
-
-
-@dataclass
 class Shape:
     """The worker's photo runner with ``instances`` threads on an engine of ``threads`` intra-op threads."""
 
@@ -89,6 +50,13 @@ class Shape:
     def name(self) -> str:
         return (f"{self.instances} instance{'s' if self.instances > 1 else ''} x {self.threads} "
                 f"thread{'s' if self.threads != 1 else ''}")
+
+    what = "gpu_worker.photorunner.PhotoRunner (decode_rows, then the engine)"
+
+    @property
+    def decoder(self) -> str:
+        decoder = self.runner.prep.decoder
+        return decoder.backend if decoder is not None else "none (frames)"
 
     def window(self, images: Sequence[memoryview], b: int, seconds: float, min_runs: int) -> Tally:
         """``instances`` threads decode and run batches of ``b`` back to back for ``seconds`` (at least
@@ -140,9 +108,10 @@ class Shape:
         self.runner.engine.close()
 
 
-def load_shape(cfg: Config, model: str, instances: int, threads: int) -> Shape:
-    """The model's photo runner as the worker builds it, with ``instances`` and ``intra_op_threads`` replaced;
-    BenchError says why the worker could not build it (a GPU worker has no photo runner yet)."""
+def load_shape(cfg: Config, model: str, instances: int, threads: int) -> Shape | DeviceShape:
+    """The model's photo runner as the worker builds it, with ``instances`` and ``intra_op_threads`` replaced (a
+    GPU worker's: its device stage and stream slots, warmed up); BenchError says why the worker could not build
+    it."""
     mc = msgspec.structs.replace(cfg.models[model], instances=instances, intra_op_threads=threads)
     device = str(cfg.worker.devices[0])
     try:
@@ -156,16 +125,22 @@ def load_shape(cfg: Config, model: str, instances: int, threads: int) -> Shape:
     except EngineError as exc:
         engine.close()
         raise BenchError(f"model {model!r} on {device}: {exc}") from None
+    if is_device_engine(engine):
+        try:
+            return device_shape(runner)
+        except BaseException:
+            runner.stop()
+            engine.close()
+            raise
     if not isinstance(runner, PhotoRunner):
         engine.close()
         raise BenchError(f"model {model!r}: the worker's runner is a {type(runner).__name__}, not a PhotoRunner")
     return Shape(instances, threads, runner, [runner.new_batch() for _ in range(instances)])
 
 
-def decoder_name(shape: Shape, device: str) -> str:
-    """Where and with what the worker decodes: ``cpu:simplejpeg 1.9.0``."""
-    decoder = shape.runner.prep.decoder
-    return f"{device}:{decoder.backend if decoder is not None else 'none (frames)'}"
+def decoder_name(shape: Shape | DeviceShape, device: str) -> str:
+    """Where and with what the worker decodes: ``cpu:simplejpeg 1.9.0``, ``0:nvImageCodec ...``."""
+    return f"{device}:{shape.decoder}"
 
 
 class Limit:
@@ -176,18 +151,20 @@ class Limit:
         mc = cfg.models[model]
         cores = len(os.sched_getaffinity(0))
         wanted = [(mc.instances, mc.intra_op_threads or cores)]
-        if wanted[0] != (1, cores):
+        if str(cfg.worker.devices[0]) != "cpu":
+            wanted = [(1, 0)]  # a GPU worker's stage: one issuing thread, its stream slots
+        elif wanted[0] != (1, cores):
             wanted.append((1, cores))
         self.model = model
         self.max_batch = mc.max_batch
-        self.shapes: list[Shape] = []
+        self.shapes: list[Shape | DeviceShape] = []
         try:
             for n, t in wanted:
                 self.shapes.append(load_shape(cfg, model, n, t))
         except BaseException:
             self.close()
             raise
-        self.best: tuple[Shape, int] | None = None
+        self.best: tuple[Shape | DeviceShape, int] | None = None
         self.decoder = decoder_name(self.shapes[0], str(cfg.worker.devices[0]))
 
     def close(self) -> None:
@@ -229,7 +206,7 @@ class Limit:
                                 key=lambda nb: by_shape[nb[0]][nb[1]]["items_per_s"])
         shape = next(s for s in self.shapes if s.name == best_name)
         self.best = (shape, int(best_b))
-        return {"model": self.model, "runner": "gpu_worker.photorunner.PhotoRunner (decode_rows, then the engine)",
+        return {"model": self.model, "runner": self.shapes[0].what,
                 "decoder": self.decoder, "batch_sizes": batch_sizes, "duration_s_per_batch_size": duration_s,
                 "rounds": rounds, "by_shape": by_shape, "best_shape": best_name, "best_batch": int(best_b),
                 "items_per_s": by_shape[best_name][best_b]["items_per_s"]}

@@ -12,7 +12,7 @@ import pytest
 
 from shmbroker.bench import photoset
 from shmbroker.bench.common import BenchError, Progress
-from shmbroker.bench.photo_inprocess import Limit, load_shape
+from shmbroker.bench.photo_inprocess import Limit, Shape, load_shape
 from shmbroker.broker.common import config
 from shmbroker.gpu_worker.photos import PRESETS, TurboDecoder
 
@@ -33,6 +33,7 @@ def test_the_shape_decodes_rows_as_the_worker_does() -> None:
     cfg = config.load(config.DEFAULT_CONFIG)
     shape = load_shape(cfg, MODEL, 2, 1)
     try:
+        assert isinstance(shape, Shape)  # a CPU worker's: the host runner
         assert shape.name == "2 instances x 1 thread" and len(shape.inputs) == 2
         photos = _jpegs(3)
         batch = shape.inputs[0]
@@ -81,3 +82,11 @@ def test_an_engine_the_bench_cannot_load_is_its_error_naming_the_model() -> None
     with pytest.raises(BenchError, match=f"model '{MODEL}'"):
         load_shape(gpu, MODEL, 1, 1)
 
+
+
+def test_a_gpu_shape_needs_the_workers_device_runner() -> None:
+    from shmbroker.bench.photo_device import device_shape
+    from shmbroker.gpu_worker.photorunner import PhotoRunner
+
+    with pytest.raises(BenchError, match="the worker's runner is a PhotoRunner, not a DevicePhotoRunner"):
+        device_shape(PhotoRunner.__new__(PhotoRunner))

@@ -14,7 +14,7 @@ from PIL import Image
 
 from shmbroker.bench import photo_load, photo_report, photos, photoset
 from shmbroker.bench.common import BenchError, Progress
-from shmbroker.bench.photo_inprocess import Tally, batches, tally_figures
+from shmbroker.bench.photo_tally import Tally, batches, tally_figures
 
 
 @pytest.mark.parametrize(("text", "sizes"), [("640x480", [(640, 480)]),
