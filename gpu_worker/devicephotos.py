@@ -32,7 +32,7 @@ import numpy as np
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.gpu_worker.batcher import Batcher
-from shmbroker.gpu_worker.devicedecoders import NoDecoder, open_decoder
+from shmbroker.gpu_worker.devicedecoders import DECODERS, NoDecoder, open_decoder
 from shmbroker.gpu_worker.devicerecipe import DeviceRecipe
 from shmbroker.gpu_worker.engines.base import DeviceEngine, EngineError
 from shmbroker.gpu_worker.imageheader import JPEG, Header, read_header
@@ -103,7 +103,12 @@ class DevicePhotos:
     into the slot's engine input buffer, on the slot's stream, and says which requests run and which are bad."""
 
     def __init__(self, model: ModelView, preset: str, engine_shape: Sequence[int], device: int,
-                 max_pixels: int, frame_shape: Sequence[int] = ()) -> None:
+                 max_pixels: int, frame_shape: Sequence[int] = (), decoder: str = "") -> None:
+        """``decoder``: a name of devicedecoders.DECODERS, or "" for the first that works
+        (``models.NAME.gpu_decoder``); EngineError names the key that needs changing."""
+        if decoder and decoder not in DECODERS:
+            raise EngineError(f"models.{model.name}.gpu_decoder = {decoder!r}: one of {', '.join(DECODERS)}, or \"\" "
+                              "for the first that works on the device")
         try:
             import torch
         except ImportError as exc:
@@ -111,9 +116,10 @@ class DevicePhotos:
                               "install torch (a CUDA build)") from None
         self.torch = torch
         try:
-            self.decoder = open_decoder(torch, device)
+            self.decoder = open_decoder(torch, device, (decoder,) if decoder else tuple(DECODERS))
         except NoDecoder as exc:
-            raise EngineError(f"models.{model.name}.input = \"image\" on a GPU worker: {exc}") from None
+            key = f"gpu_decoder = {decoder!r}" if decoder else "input = \"image\""
+            raise EngineError(f"models.{model.name}.{key} on a GPU worker: {exc}") from None
         self.model = model
         self.name = model.inputs[0].name
         self.device = torch.device("cuda", device)

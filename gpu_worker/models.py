@@ -113,7 +113,7 @@ def device_photo_runner(view: ModelView, engine: DeviceEngine, batcher: Batcher[
     try:
         stage_class = entry.load_class()
         stage = stage_class(view, mc.preprocess, engine.inputs[0].shape, engine.device, mc.max_image_pixels,
-                            mc.frame_shape if mc.input == P.InputKind.FRAMES else ())
+                            mc.frame_shape if mc.input == P.InputKind.FRAMES else (), decoder=mc.gpu_decoder)
     except ValueError as exc:
         raise EngineError(str(exc)) from None
     return DevicePhotoRunner(view, engine, batcher, ModelCounters(), mc.streams, stage)

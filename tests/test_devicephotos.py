@@ -76,6 +76,16 @@ def test_a_gpu_worker_without_torch_refuses_a_photo_model_naming_the_key() -> No
                             mc)
 
 
+def test_an_unknown_gpu_decoder_is_refused_naming_the_key_and_the_choices() -> None:
+    mc = ModelSection(path="m.onnx", input="image", preprocess="opennsfw", gpu_decoder="nvdec")
+    view = ModelView(0, "nsfw_photo", 8, [IOSpec("image", np.dtype(np.uint8), (-1,))], _DeviceEngine.outputs, 1000,
+                     Photos(P.InputKind.IMAGE, mc.max_image_bytes, mc.max_image_pixels, "opennsfw"))
+    with pytest.raises(EngineError, match=r"models\.nsfw_photo\.gpu_decoder = 'nvdec': one of nvimgcodec, "
+                                          r"torchvision, or \"\" for the first that works"):
+        device_photo_runner(view, _DeviceEngine(), Batcher(BatchPolicy.from_config(mc, device=True)),  # type: ignore[arg-type]
+                            mc)
+
+
 def test_with_no_decoder_that_opens_the_error_gives_each_ones_reason() -> None:
     """Each decoder of the table is tried in order; where none opens (here: no CUDA build of torch, nor
     nvImageCodec), the error names every one, why, and what to install."""

@@ -120,6 +120,9 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_image_bytes: Annotated[int, Meta(ge=64, le=1 << 30)] = 4 << 20
     # input "image": an image of more pixels (width x height, read from its header) is refused before decoding
     max_image_pixels: Annotated[int, Meta(ge=1, le=1 << 40)] = 40_000_000
+    # input "image" on a GPU worker: the JPEG decoder, a name of gpu_worker/devicedecoders.py's DECODERS; "" takes
+    # the first of them that works on the device
+    gpu_decoder: str = ""
     frame_shape: list[Annotated[int, Meta(ge=1, le=65536)]] = msgspec.field(default_factory=list)  # [H, W]
 
 

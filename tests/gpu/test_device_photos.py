@@ -166,7 +166,7 @@ def test_stats_name_the_gpu_decoder(broker: RunningBroker) -> None:
     models = {m.name: m for w in broker.stats().workers for m in w.models}
     decoder = models["nsfw_photo"].decoder
     _summary("decoder", {"decoder": decoder, "device": cuda.device_name(0)})
-    assert decoder.startswith("nvJPEG through torchvision") and "cuda:0" in decoder, decoder
+    assert decoder.startswith(("nvImageCodec", "nvJPEG through torchvision")) and "cuda:0" in decoder, decoder
 
 
 def test_frames_on_the_gpu_match_the_reference(broker: RunningBroker) -> None:
@@ -179,14 +179,15 @@ def test_frames_on_the_gpu_match_the_reference(broker: RunningBroker) -> None:
 
 
 # -- in process: the stage alone -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def stage_slot() -> Iterator[tuple[Any, Any]]:
-    pytest.importorskip("torchvision")
+@pytest.fixture(scope="module", params=["nvimgcodec", "torchvision"])
+def stage_slot(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any, str]]:
+    """The stage on one stream slot with each decoder of the table (the figures are per decoder); one that does
+    not open on this machine is skipped with its reason."""
     pytest.importorskip("onnx2torch")
     from shmbroker.broker.common import protocol as P
     from shmbroker.gpu_worker.devicephotos import DevicePhotos
     from shmbroker.gpu_worker.engines import load_engine
-    from shmbroker.gpu_worker.engines.base import IOSpec
+    from shmbroker.gpu_worker.engines.base import EngineError, IOSpec
     from shmbroker.gpu_worker.intake import ModelView, Photos
     from shmbroker.gpu_worker.streams import StreamSlot
 
@@ -194,23 +195,27 @@ def stage_slot() -> Iterator[tuple[Any, Any]]:
     engine: Any = load_engine("torch", nsfw_path(), device="0", cuda_graphs=True)
     view = ModelView(0, "nsfw_photo", 64, [IOSpec("image", np.dtype(np.uint8), (-1,))], engine.outputs, 60000,
                      Photos(P.InputKind.IMAGE, 4 << 20, MAX_PIXELS, "opennsfw"))
-    stage = DevicePhotos(view, "opennsfw", engine.inputs[0].shape, 0, MAX_PIXELS)
+    try:
+        stage = DevicePhotos(view, "opennsfw", engine.inputs[0].shape, 0, MAX_PIXELS, decoder=request.param)
+    except EngineError as exc:
+        engine.close()
+        pytest.skip(f"decoder {request.param}: {exc}")
     slot = StreamSlot(0, engine, 64)
     try:
-        yield stage, slot
+        yield stage, slot, request.param
     finally:
         slot.stream.synchronize()
         slot.close()
         engine.close()
 
 
-def test_the_stages_rows_are_the_cpu_presets(stage_slot: tuple[Any, Any]) -> None:
+def test_the_stages_rows_are_the_cpu_presets(stage_slot: tuple[Any, Any, str]) -> None:
     """Rows straight from the stage against gpu_worker/photos.py's preset on the same files, decoded by Pillow:
-    what differs is nvJPEG's decode against libjpeg's."""
+    what differs is the decoder's pixels against libjpeg's (figures per decoder)."""
     from shmbroker.gpu_worker.devicephotos import rows_as_array
     from shmbroker.gpu_worker.photos import PRESETS
 
-    stage, slot = stage_slot
+    stage, slot, decoder = stage_slot
     files = {**photo_files(), **odd_files()}
     data = list(files.values())[:64]
     n, bad = stage.run_rows([memoryview(bytearray(d)) for d in data], slot)
@@ -218,18 +223,19 @@ def test_the_stages_rows_are_the_cpu_presets(stage_slot: tuple[Any, Any]) -> Non
     rows = rows_as_array(stage, slot, n)
     want = np.stack([PRESETS["opennsfw"].apply(np.asarray(Image.open(io.BytesIO(d)).convert("RGB"))) for d in data])
     diff = np.abs(rows - want)
-    _summary("rows", {"rows": n, "equal": float((diff == 0).mean()), "mean_abs": float(diff.mean()),
-                      "max_abs": float(diff.max()), "p999_abs": float(np.quantile(diff, 0.999))})
+    _summary(f"rows_{decoder}", {"rows": n, "decoder": stage.decoder.backend, "equal": float((diff == 0).mean()),
+                                 "mean_abs": float(diff.mean()), "max_abs": float(diff.max()),
+                                 "p999_abs": float(np.quantile(diff, 0.999))})
     assert diff.mean() <= 1.0, diff.mean()
 
 
 @pytest.mark.parametrize("size", [None, (1440, 1920)])
-def test_the_stages_in_process_limit(stage_slot: tuple[Any, Any], size: tuple[int, int] | None) -> None:
+def test_the_stages_in_process_limit(stage_slot: tuple[Any, Any, str], size: tuple[int, int] | None) -> None:
     """Images/s of decode + preprocess, and with the engine, at a batch of 64 (the photo set as it is, at most
     1024 pixels a side, or resized to 1920x1440); figures for bench/, no speed asserted."""
     from shmbroker.gpu_worker.devicephotos import stage_limit
 
-    stage, slot = stage_slot
+    stage, slot, decoder = stage_slot
     imgs = [v.convert("RGB") for v in photoset.views(sorted(photoset.photos()), 64, seed=2)]
     if size is not None:
         imgs = [i.resize((size[1], size[0]), Image.Resampling.BICUBIC) for i in imgs]
@@ -237,5 +243,6 @@ def test_the_stages_in_process_limit(stage_slot: tuple[Any, Any], size: tuple[in
     figures: dict[str, Any] = dict(stage_limit(stage, slot, data, repeats=5))
     figures["mean_bytes"] = float(np.mean([len(d) for d in data]))
     figures["device"] = cuda.device_name(0)
-    _summary(f"limit_{'photos' if size is None else f'{size[1]}x{size[0]}'}", figures)
+    figures["decoder"] = stage.decoder.backend
+    _summary(f"limit_{'photos' if size is None else f'{size[1]}x{size[0]}'}_{decoder}", figures)
     assert figures["rows"] == len(data)
