@@ -65,25 +65,26 @@ class _DeviceEngine:
         raise AssertionError("no stream slot is made before the stage loads")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed here")
-def test_a_gpu_worker_without_torch_refuses_a_photo_model_naming_the_key() -> None:
-    mc = ModelSection(path="m.onnx", input="image", preprocess="opennsfw")
+def _load_photo_model(**keys: object) -> None:
+    """The GPU worker's builder on a model of photos (``keys`` of its section); what it raises goes out."""
+    mc = ModelSection(path="m.onnx", input="image", preprocess="opennsfw", **keys)  # type: ignore[arg-type]
     view = ModelView(0, "nsfw_photo", 8, [IOSpec("image", np.dtype(np.uint8), (-1,))], _DeviceEngine.outputs, 1000,
                      Photos(P.InputKind.IMAGE, mc.max_image_bytes, mc.max_image_pixels, "opennsfw"))
+    device_photo_runner(view, _DeviceEngine(), Batcher(BatchPolicy.from_config(mc, device=True)),  # type: ignore[arg-type]
+                        mc)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed here")
+def test_a_gpu_worker_without_torch_refuses_a_photo_model_naming_the_key() -> None:
     with pytest.raises(EngineError, match=r"models\.nsfw_photo\.input on a GPU worker decodes on CUDA with torch: "
                                           r".*install torch"):
-        device_photo_runner(view, _DeviceEngine(), Batcher(BatchPolicy.from_config(mc, device=True)),  # type: ignore[arg-type]
-                            mc)
+        _load_photo_model()
 
 
 def test_an_unknown_gpu_decoder_is_refused_naming_the_key_and_the_choices() -> None:
-    mc = ModelSection(path="m.onnx", input="image", preprocess="opennsfw", gpu_decoder="nvdec")
-    view = ModelView(0, "nsfw_photo", 8, [IOSpec("image", np.dtype(np.uint8), (-1,))], _DeviceEngine.outputs, 1000,
-                     Photos(P.InputKind.IMAGE, mc.max_image_bytes, mc.max_image_pixels, "opennsfw"))
     with pytest.raises(EngineError, match=r"models\.nsfw_photo\.gpu_decoder = 'nvdec': one of nvimgcodec, "
                                           r"torchvision, or \"\" for the first that works"):
-        device_photo_runner(view, _DeviceEngine(), Batcher(BatchPolicy.from_config(mc, device=True)),  # type: ignore[arg-type]
-                            mc)
+        _load_photo_model(gpu_decoder="nvdec")
 
 
 def test_with_no_decoder_that_opens_the_error_gives_each_ones_reason() -> None:
