@@ -3,11 +3,11 @@ rows into [3, H, W] uint8 RGB tensors on the device, queued on the caller's stre
 decode. ``open_decoder`` takes the first that imports and decodes a test image on this device.
 
 - ``nvimgcodec``: nvImageCodec's nvJPEG (the card's hardware JPEG engines where it has them, else CUDA) with
-  libjpeg's "fancy" (triangular) chroma upsampling, so its pixels are those of the CPU recipe's Pillow but for
-  the inverse DCT's rounding; EXIF orientation is not applied (the CPU recipe applies none). A row it cannot
-  decode comes back alone.
-- ``torchvision``: torchvision's ``decode_jpeg`` on CUDA (nvJPEG, its chroma upsampling nearer-neighbour). A
-  batch it refuses is decoded again one row at a time to find the bad rows.
+  libjpeg's "fancy" (triangular) chroma upsampling, the one the CPU recipe's Pillow decodes with; EXIF
+  orientation is not applied (the CPU recipe applies none). A row it cannot decode comes back alone.
+- ``torchvision``: torchvision's ``decode_jpeg`` on CUDA (nvJPEG with its own chroma upsampling: a fifth of a
+  real photo's pixels differ from Pillow's, bench/RESULTS.md "The GPU stage on the H100"). A batch it refuses
+  is decoded again one row at a time to find the bad rows.
 
 torch, torchvision and nvImageCodec are imported when a decoder is opened, never by the modules that import
 this one.
@@ -108,7 +108,7 @@ class NoDecoder(RuntimeError):
                          + " (pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg, or torchvision's CUDA build)")
 
 
-def test_image() -> bytes:
+def probe_jpeg() -> bytes:
     """A 32x16 JPEG, 4:2:0, one colour."""
     from PIL import Image
 
@@ -118,13 +118,13 @@ def test_image() -> bytes:
 
 
 def open_decoder(torch: Any, device: int, names: tuple[str, ...] = tuple(DECODERS)) -> DeviceDecoder:
-    """The first decoder of ``names`` that opens and decodes ``test_image`` to [3, 16, 32] on ``device``.
+    """The first decoder of ``names`` that opens and decodes ``probe_jpeg`` to [3, 16, 32] on ``device``.
 
     Raises:
         NoDecoder: none did, with each one's reason.
     """
     reasons: dict[str, str] = {}
-    data = test_image()
+    data = probe_jpeg()
     for name in names:
         try:
             decoder = DECODERS[name](torch, device)
