@@ -61,8 +61,9 @@ import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     print(f"{f.stem}: {json.dumps(json.loads(f.read_text()))}")
 PY
-# the acceptance benches (a), (b), (c) on the GPU worker, while time is left (BENCH_S, default 300 s)
+# the acceptance benches (a), (b), (c) on the GPU worker, while time is left (BENCH_S, default 300 s); more
+# options in PHOTOS_ARGS, e.g. "--sizes 640x480 --client-spin-us 0"
 timeout "${BENCH_S:-300}" python3 -m shmbroker.bench.photos --config bench/gpu_photos.toml --quick \
-  --out "$out/photos.json" > "$out/photos.md" 2> "$out/photos.log"
+  --out "$out/photos.json" ${PHOTOS_ARGS:-} > "$out/photos.md" 2> "$out/photos.log"
 echo "bench.photos exit $?"
 cat "$out/photos.md"; tail -n 5 "$out/photos.log"

@@ -49,6 +49,7 @@ class Settings:
     processes: int
     in_flight: int  # per client process
     sizes: tuple[str, ...]
+    client_spin_us: int = 1000  # the clients' Client(spin_us=): the library's default
     photo_model: str = PHOTO_MODEL
     tensor_model: str = TENSOR_MODEL
 
@@ -64,8 +65,10 @@ class Settings:
         sizes = photoset.parse_sizes(args.sizes) if args.sizes else list(photoset.SIZES)
         processes = args.processes if args.processes is not None else (16 if gpu else 4)
         in_flight = args.in_flight if args.in_flight is not None else (8 if gpu else 4)
+        if args.client_spin_us < 0:
+            raise BenchError(f"--client-spin-us must be 0 or more, got {args.client_spin_us}")
         return cls(quick, duration, 0.5 if quick else 1.0, duration / 2 if quick else duration, rounds, processes,
-                   in_flight, tuple(photoset.size_name(s) for s in sizes))
+                   in_flight, tuple(photoset.size_name(s) for s in sizes), args.client_spin_us)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -84,6 +87,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="client processes in (b) and (c) (default 16 on a GPU worker, 4 on a CPU one)")
     ap.add_argument("--in-flight", type=int, default=None,
                     help="requests each client keeps in flight (default 8 on a GPU worker, 4 on a CPU one)")
+    ap.add_argument("--client-spin-us", type=int, default=1000, metavar="US",
+                    help="each client's spin_us (default 1000, the client's own; 0: wait in the kernel at once)")
 
 
 def _device(cfg: config.Config) -> int | None:
@@ -226,7 +231,8 @@ class PhotoBench:
         s = self.s
         return [{"index": i, "processes": s.processes, "seed": 100 + i, "runtime_dir": str(broker.runtime_dir),
                  "model": model, "paths": paths, "preset": preset, "in_flight": s.in_flight, "warmup_s": s.warmup_s,
-                 "duration_s": s.duration_s, "warmup_requests": 4} for i in range(s.processes)]
+                 "duration_s": s.duration_s, "warmup_requests": 4, "spin_us": s.client_spin_us}
+                for i in range(s.processes)]
 
     def clients(self, broker: BrokerProcess, target: Target, model: str, paths: list[str],
                 preset: str = "") -> Figures:

@@ -170,6 +170,9 @@ def test_settings_default_to_4x4_on_a_cpu_worker_and_16x8_on_a_gpu() -> None:
     assert (mine.processes, mine.in_flight, mine.sizes) == (2, 3, ("800x600",))
     with pytest.raises(BenchError, match="--rounds"):
         photos.Settings.of(_args(rounds=0), gpu=False)
+    assert cpu.client_spin_us == 1000 and photos.Settings.of(_args(client_spin_us=0), gpu=True).client_spin_us == 0
+    with pytest.raises(BenchError, match="--client-spin-us"):
+        photos.Settings.of(_args(client_spin_us=-1), gpu=False)
 
 
 def _jpeg(img: Image.Image) -> bytes:
