@@ -11,7 +11,7 @@ JPEGs nvJPEG does not take decode on the worker's CPU with Pillow, as a CPU work
 images are grouped by size and each group is resized and cropped (gpu_worker/devicerecipe.py: Pillow's resize,
 computed for the crop's pixels only), then the batch's crops go through the rest of the preset together (the
 opennsfw JPEG round trip, channel order, normalisation, layout) on the batch's stream into the engine's input
-buffer, which is wrapped as a torch tensor without a copy: a batch of photos of as many sizes costs a dozen
+buffer, which is wrapped as a torch tensor without a copy: a batch of photos of as many sizes costs eight
 launches a photo and one preset's worth for the batch. Frames (``input = "frames"``) are copied in and take (3c)
 alone.
 

@@ -34,6 +34,20 @@ def test_resize_is_pillows_to_the_bit(size: tuple[int, int]) -> None:
         np.testing.assert_array_equal(ours, want)
 
 
+@pytest.mark.parametrize("size", [(224, 224), (256, 341), (37, 1000)])
+def test_resize_of_saturated_and_striped_images_stays_within_8_bits(size: tuple[int, int]) -> None:
+    """The passes round without a clamp: white, black and 1-pixel stripes of both, down and up, are Pillow's."""
+    recipe = DeviceRecipe("imagenet", False, np)
+    stripes = np.zeros((480, 640, 3), dtype=np.uint8)
+    stripes[::2] = 255
+    stripes[:, ::3] = 255 - stripes[:, ::3]
+    h, w = size
+    for arr in (np.full((480, 640, 3), 255, np.uint8), np.zeros((97, 61, 3), np.uint8), stripes):
+        img = Image.fromarray(arr)
+        ours = recipe.resize(_batch(img), h, w)[0].transpose(1, 2, 0)
+        np.testing.assert_array_equal(ours, np.asarray(img.resize((w, h), Image.Resampling.BILINEAR)))
+
+
 def test_quantization_tables_are_pillows_at_its_default_quality() -> None:
     with io.BytesIO() as buf:
         Image.new("RGB", (16, 16)).save(buf, format="JPEG")
