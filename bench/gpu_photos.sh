@@ -30,7 +30,15 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     .whl/*.whl || exit
   export PYTHONPATH=/tmp/site:$PWD
 fi
-if [ -f .gpu/nvimgcodec.tgz ]; then mkdir -p /tmp/site && tar xzf .gpu/nvimgcodec.tgz -C /tmp/site; fi
+if [ -f .gpu/nvimgcodec.tgz ]; then
+  mkdir -p /tmp/site && tar xzf .gpu/nvimgcodec.tgz -C /tmp/site
+  # where the image's `nvidia` is a regular package, it hides the namespace portion in /tmp/site: add the
+  # module to that package instead (this machine is thrown away after the session)
+  if ! python3 -c 'from nvidia import nvimgcodec' 2>/dev/null; then
+    pkg=$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__file__ or ""))' 2>/dev/null)
+    if [ -n "$pkg" ] && [ -d "$pkg" ]; then cp -r /tmp/site/nvidia/nvimgcodec "$pkg/"; fi
+  fi
+fi
 if [ -d .gpu/photos ]; then export SHMBROKER_PHOTO_DIR=$PWD/.gpu/photos; fi
 for lib in /tmp/site/nvidia/*/lib; do  # a carried nvidia-nvjpeg: torch preloads only its own CUDA libraries
   if [ -d "$lib" ]; then export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
