@@ -5,6 +5,8 @@ decode. ``open_decoder`` takes the first that imports and decodes a test image o
 - ``nvimgcodec``: nvImageCodec's nvJPEG (the card's hardware JPEG engines where it has them, else CUDA) with
   libjpeg's "fancy" (triangular) chroma upsampling, the one the CPU recipe's Pillow decodes with; EXIF
   orientation is not applied (the CPU recipe applies none). A row it cannot decode comes back alone.
+- ``nvimgcodec-cuda``: the same on the CUDA decoder alone (no hardware engines), for a card without them or
+  where their pixels or rate differ.
 - ``torchvision``: torchvision's ``decode_jpeg`` on CUDA (nvJPEG with its own chroma upsampling: a fifth of a
   real photo's pixels differ from Pillow's, bench/RESULTS.md "The GPU stage on the H100"). A batch it refuses
   is decoded again one row at a time to find the bad rows.
@@ -36,21 +38,25 @@ class DeviceDecoder(Protocol):
 
 
 class NvImageCodecDecoder:
-    """nvImageCodec's decoder with fancy upsampling and no EXIF rotation (see the module's docstring)."""
+    """nvImageCodec's decoder with fancy upsampling and no EXIF rotation (see the module's docstring), on the
+    hardware JPEG engines and, for what they do not take, the CUDA decoder (``hardware=False``: CUDA only)."""
 
-    def __init__(self, torch: Any, device: int) -> None:
+    def __init__(self, torch: Any, device: int, hardware: bool = True) -> None:
         from nvidia import nvimgcodec
 
         self._nv = nvimgcodec
         self._torch = torch
         # the GPU backends only: where nvJPEG is missing its CPU fallback (libjpeg-turbo) would decode on the
         # worker's cores without a word; then this decoder fails its test image and the next one is tried
-        kinds = [nvimgcodec.BackendKind.HW_GPU_ONLY, nvimgcodec.BackendKind.GPU_ONLY]
+        kinds = [nvimgcodec.BackendKind.GPU_ONLY]
+        if hardware:
+            kinds.insert(0, nvimgcodec.BackendKind.HW_GPU_ONLY)
         self._decoder = nvimgcodec.Decoder(device_id=device, backend_kinds=kinds, options=":fancy_upsampling=1")
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
                                                allow_any_depth=False)
-        self.backend = (f"nvImageCodec {getattr(nvimgcodec, '__version__', '?')} (nvJPEG, fancy upsampling) on "
-                        f"cuda:{device} ({torch.cuda.get_device_name(device)})")
+        engines = "hardware and CUDA" if hardware else "CUDA"
+        self.backend = (f"nvImageCodec {getattr(nvimgcodec, '__version__', '?')} (nvJPEG {engines}, fancy "
+                        f"upsampling) on cuda:{device} ({torch.cuda.get_device_name(device)})")
 
     def decode(self, rows: list[memoryview], stream: Any) -> list[Any]:
         codes = [self._nv.CodeStream(np.frombuffer(r, dtype=np.uint8)) for r in rows]
@@ -95,6 +101,7 @@ class TorchvisionDecoder:
 
 DECODERS: dict[str, Callable[[Any, int], DeviceDecoder]] = {
     "nvimgcodec": NvImageCodecDecoder,
+    "nvimgcodec-cuda": lambda torch, device: NvImageCodecDecoder(torch, device, hardware=False),
     "torchvision": TorchvisionDecoder,
 }
 

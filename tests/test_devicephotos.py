@@ -83,14 +83,14 @@ def test_a_gpu_worker_without_torch_refuses_a_photo_model_naming_the_key() -> No
 
 def test_an_unknown_gpu_decoder_is_refused_naming_the_key_and_the_choices() -> None:
     with pytest.raises(EngineError, match=r"models\.nsfw_photo\.gpu_decoder = 'nvdec': one of nvimgcodec, "
-                                          r"torchvision, or \"\" for the first that works"):
+                                          r"nvimgcodec-cuda, torchvision, or \"\" for the first that works"):
         _load_photo_model(gpu_decoder="nvdec")
 
 
 def test_with_no_decoder_that_opens_the_error_gives_each_ones_reason() -> None:
     """Each decoder of the table is tried in order; where none opens (here: no CUDA build of torch, nor
     nvImageCodec), the error names every one, why, and what to install."""
-    assert list(DECODERS) == ["nvimgcodec", "torchvision"]  # libjpeg's chroma upsampling first
+    assert list(DECODERS) == ["nvimgcodec", "nvimgcodec-cuda", "torchvision"]  # libjpeg's chroma upsampling first
 
     class NoCuda:
         class cuda:  # torch's attribute
@@ -100,7 +100,7 @@ def test_with_no_decoder_that_opens_the_error_gives_each_ones_reason() -> None:
 
     with pytest.raises(NoDecoder) as err:
         open_decoder(NoCuda(), 0)
-    assert list(err.value.reasons) == ["nvimgcodec", "torchvision"]
+    assert list(err.value.reasons) == ["nvimgcodec", "nvimgcodec-cuda", "torchvision"]
     assert all(err.value.reasons.values())
     assert "pip install nvidia-nvimgcodec-cu13" in str(err.value)
 

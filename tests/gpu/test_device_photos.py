@@ -24,6 +24,7 @@ from PIL import Image
 from shmbroker.bench.photoset import MATE_NATURE
 from shmbroker.client import BadImage, Client
 from shmbroker.gpu_worker import cuda
+from shmbroker.gpu_worker.devicedecoders import DECODERS
 from tests import photoset
 from tests.conftest import RunningBroker, start_broker
 from tests.gpu.clients import NSFW
@@ -179,7 +180,7 @@ def test_frames_on_the_gpu_match_the_reference(broker: RunningBroker) -> None:
 
 
 # -- in process: the stage alone -------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["nvimgcodec", "torchvision"])
+@pytest.fixture(scope="module", params=list(DECODERS))
 def stage_slot(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any, str]]:
     """The stage on one stream slot with each decoder of the table (the figures are per decoder); one that does
     not open on this machine is skipped with its reason."""
