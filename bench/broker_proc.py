@@ -18,6 +18,7 @@ from typing import IO, Any
 
 import psutil
 
+from shmbroker.bench import procs
 from shmbroker.bench.common import BenchError, Figures, Progress
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common import ring, runtime
@@ -100,12 +101,7 @@ class BrokerProcess:
         if self.proc.poll() is None:
             self.leaked = sorted(self._held_after_clients())
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.killed = True
-                self.proc.kill()
-                self.proc.wait(10.0)
+            self.killed = procs.wait_or_kill(self.proc, STOP_TIMEOUT_S)
         self.exit_code = self.proc.returncode
         if self._log is not None:
             self._log.close()

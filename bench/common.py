@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,21 @@ Figures = dict[str, Any]  # one measurement, as it goes into the JSON document
 
 class BenchError(RuntimeError):
     """A phase could not run (a child failed, the broker did not start); the text says which and why."""
+
+
+class ChainSet:
+    """``n`` request chains that each end once, under one lock: ``drained`` is set when the last has ended."""
+
+    def __init__(self, n: int) -> None:
+        self.lock = threading.Lock()
+        self.live = n
+        self.drained = threading.Event()
+
+    def _ended(self) -> None:
+        with self.lock:
+            self.live -= 1
+            if self.live <= 0:
+                self.drained.set()
 
 
 class Progress:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from shmbroker.bench import cpu_sample
-from shmbroker.bench.common import Figures, Progress, latency_summary
+from shmbroker.bench.common import ChainSet, Figures, Progress, latency_summary
 from shmbroker.bench.procs import Sync, Target, run_group
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.ask import ask_broker
@@ -35,19 +35,17 @@ from shmbroker.client import Client, ShmBrokerError
 from shmbroker.gpu_worker.histogram import mean, quantile
 
 
-class Chains:
+class Chains(ChainSet):
     """``in_flight`` chains; chain i's request was submitted at ``sent[i]``; completions in the window count."""
 
     def __init__(self, client: Client, model: str, x: Any, t_count: float, t_end: float, n: int) -> None:
+        super().__init__(n)
         self.client, self.model, self.x = client, model, x
         self.t_count, self.t_end = t_count, t_end
         self.sent = [0] * n
         self.samples: list[int] = []
         self.errors: collections.Counter[str] = collections.Counter()
-        self.lock = threading.Lock()
-        self.live = n
         self.answered = 0  # every answer, in the window or not: the client's CPU time is divided by it
-        self.drained = threading.Event()
 
     def inputs(self) -> Any:
         """The next request's inputs (the same array each time; bench/photo_load.py goes through its photos)."""
@@ -76,12 +74,6 @@ class Chains:
             self.launch(i)
         else:
             self._ended()
-
-    def _ended(self) -> None:
-        with self.lock:
-            self.live -= 1
-            if self.live <= 0:
-                self.drained.set()
 
     def run(self, timeout: float) -> bool:
         """Start every chain; whether all ended within ``timeout`` seconds."""

@@ -45,14 +45,14 @@ class DeviceShape:
         ``engine_s`` are the device's time in the stage and in the engine (events), summed over batches."""
         slots, stage = self.runner.slots, self.runner.stage
         tally = Tally()
-        pending: list[StreamSlot | None] = [None] * len(slots)
+        pending = [False] * len(slots)  # a slot's batch launched and not yet collected
         plan = batches(len(images), b, 0, 1)
         t0, cpu0 = time.perf_counter(), time.process_time()
         k = 0
         while True:
             i = k % len(slots)
             slot = slots[i]
-            if pending[i] is not None:
+            if pending[i]:
                 self._collect(slot, tally)
             slot.start.record(slot.stream)
             n, bad = stage.run_rows([images[j] for j in plan[k % len(plan)]], slot)
@@ -61,12 +61,12 @@ class DeviceShape:
             slot.copied_in.record(slot.stream)
             slot.ctx.enqueue(n)
             slot.computed.record(slot.stream)
-            pending[i] = slot
+            pending[i] = True
             k += 1
             if time.perf_counter() - t0 >= seconds and k >= min_runs:
                 break
         for i, slot in enumerate(slots):
-            if pending[i] is not None:
+            if pending[i]:
                 self._collect(slot, tally)
         tally.seconds = time.perf_counter() - t0
         tally.cpu_s = time.process_time() - cpu0

@@ -11,6 +11,7 @@ import contextlib
 import multiprocessing as mp
 import queue
 import signal
+import subprocess
 import threading
 import time
 import traceback
@@ -158,3 +159,14 @@ def tree_cpu_s(roots: Iterable[int], cache: dict[int, psutil.Process] | None = N
                 continue
             total += t.user + t.system
     return total
+
+
+def wait_or_kill(proc: subprocess.Popen[Any], timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for a process told to stop, else SIGKILL it and reap it; whether it was killed."""
+    try:
+        proc.wait(timeout_s)
+        return False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10.0)
+        return True

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from shmbroker.bench.common import ChainSet
 from shmbroker.bench.peers.answers import Checker, Tally
 from shmbroker.bench.procs import Sync
 
@@ -76,18 +77,16 @@ def checker(spec: dict[str, Any]) -> Checker:
 # ---- ring: Client.call chains ----------------------------------------------------------------------------------
 
 
-class _Chains:
+class _Chains(ChainSet):
     """``n`` chains of ``Client.call``; chain i's request went out at ``sent[i]`` with row ``row[i]``."""
 
     def __init__(self, client: Any, model: str, rows: np.ndarray, check: Checker, window: Window, n: int) -> None:
+        super().__init__(n)
         self.client, self.model, self.rows, self.check, self.window = client, model, rows, check, window
         self.sent, self.row = [0] * n, [0] * n
         self.next_row = 0
         self.samples: list[int] = []
         self.errors: collections.Counter[str] = collections.Counter()
-        self.live = n
-        self.lock = threading.Lock()
-        self.drained = threading.Event()
 
     def launch(self, i: int) -> None:
         from shmbroker.client import ShmBrokerError
@@ -118,12 +117,6 @@ class _Chains:
             self.launch(i)
         else:
             self._ended()
-
-    def _ended(self) -> None:
-        with self.lock:
-            self.live -= 1
-            if self.live <= 0:
-                self.drained.set()
 
 
 def ring_client(spec: dict[str, Any], sync: Sync) -> dict[str, Any]:

@@ -90,12 +90,7 @@ class ServerProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
             t0 = time.monotonic()
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.killed = True
-                self.proc.kill()
-                self.proc.wait(10.0)
+            self.killed = procs.wait_or_kill(self.proc, STOP_TIMEOUT_S)
             _, alive = psutil.wait_procs(tree, timeout=max(1.0, STOP_TIMEOUT_S - (time.monotonic() - t0)))
             for p in alive:
                 with contextlib.suppress(psutil.Error):
