@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 
 # per request: queue; per batch: h2d, wait (for the previous batch's compute), compute, d2h (CUDA events),
 # answer (host: from the batch's end on the device, as far as launch time plus its event-timed stages tells,
-# to its last DONE sent)
-STAGES = ("queue", *EVENT_STAGES, "answer")
+# to its last DONE sent) and wake (the first part of answer: until the completion thread saw the end)
+STAGES = ("queue", *EVENT_STAGES, "wake", "answer")
 POLL_S = 0.5  # how often a waiting runner looks at its stop flag
 BATCHED_COPIES = False  # until warm_up has measured which way of issuing copies costs this thread less
 # A lone batch expected to take at most this long has its end event polled: the driver's blocking wait wakes
@@ -411,13 +411,14 @@ class PipelineRunner(BatchRunner):
                 self.fail(works, exc)
                 self._finished(slot)
                 return
+        woke = time.monotonic()
         # answers first, the slot after: freed first, it lets the runner thread issue the next batch's copies
         # before these answers leave, which doubled the answer stage (bench/RESULTS.md#the-host-paths-ceiling)
         complete_ok(self.codec, self.counters, works)
         answered = time.monotonic()
         stages, launched = self._stage_ms(slot), slot.launched  # read before the slot is reused
         self._finished(slot, None if stages is None else stages[0])
-        self._record_stages(stages, answered - launched)
+        self._record_stages(stages, woke - launched, answered - launched)
 
     def _wait_end(self, slot: StreamSlot) -> None:
         """Return once the slot's batch has ended on the device. A lone batch expected within
@@ -447,13 +448,17 @@ class PipelineRunner(BatchRunner):
             log.warning("model %s: stage timing failed: %s", self.model.name, exc)
             return None
 
-    def _record_stages(self, stages: tuple[float, float, float, float] | None, answered_s: float) -> None:
-        """Feed the histograms; ``answered_s``: from the batch's launch to its last DONE sent."""
+    def _record_stages(self, stages: tuple[float, float, float, float] | None, woke_s: float,
+                       answered_s: float) -> None:
+        """Feed the histograms; from the batch's launch, ``woke_s``: to the completion thread's seeing its end,
+        ``answered_s``: to its last DONE sent."""
         if stages is None:
             return
         for name, ms in zip(EVENT_STAGES, stages, strict=True):
             self.stages[name].add(ms * 1e3)
-        self.stages["answer"].add(max(0.0, answered_s * 1e6 - sum(stages) * 1e3))
+        device_us = sum(stages) * 1e3
+        self.stages["wake"].add(max(0.0, woke_s * 1e6 - device_us))
+        self.stages["answer"].add(max(0.0, answered_s * 1e6 - device_us))
 
 
 def _poll(event: cuda.Event, until: float) -> bool:

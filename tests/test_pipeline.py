@@ -112,7 +112,7 @@ def test_every_request_gets_its_own_result(host_device: HostDevice, session: tup
     assert sum(engine.batches) == SLOTS
     assert max(engine.batches) > 1, f"batches never formed while the device computed: {engine.batches}"
     assert runner.counters.requests[P.Status.OK.name] == SLOTS
-    for stage in ("h2d", "wait", "compute", "d2h", "answer"):
+    for stage in ("h2d", "wait", "compute", "d2h", "wake", "answer"):
         assert runner.stages[stage].snapshot().count == len(engine.batches)
     if POLICIES[policy].early_copies:
         assert filled, "no batch filled on the device while another computed"
@@ -312,3 +312,4 @@ def test_a_launch_that_fails_fails_its_batch_only(host_device: HostDevice,
         y = ws.segment.output_view(slot, 0, np.dtype("float32"), (1, 4))
         np.testing.assert_array_equal(y, np.full((1, 4), 2.0 * slot, np.float32))
     assert runner.counters.requests[P.Status.INTERNAL.name] == 1
+

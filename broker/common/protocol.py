@@ -332,7 +332,8 @@ class ModelStats(msgspec.Struct):
     batch_items: dict[str, int]  # batch size (items) -> count of batches
     queue_depth: int
     # GPU pipeline only: "queue" (per request), "h2d", "wait", "compute", "d2h" (per batch, CUDA events),
-    # "answer" (per batch, host: the batch's end on the device to its DONEs sent); empty on CPU
+    # "answer" (per batch, host: the batch's end on the device to its DONEs sent), "wake" (its first part: to the
+    # completion thread's seeing the end); empty on CPU
     stages: dict[str, StageHistogram] = msgspec.field(default_factory=dict)
     decoder: str = ""  # a model of images: which decoder turns its rows into pixels, and where; else ""
 
