@@ -60,7 +60,7 @@ try:
 except NoDecoder as exc:
     print("no decoder:", exc.reasons)
 PY
-SHMBROKER_GPU_PHOTOS_OUT="$out/figures" timeout 520 python3 -m pytest -q -p no:cacheprovider -rs \
+SHMBROKER_GPU_PHOTOS_OUT="$out/figures" timeout "${TESTS_S:-520}" python3 -m pytest -q -p no:cacheprovider -rs \
   tests/gpu/test_device_photos.py > "$out/tests.log" 2>&1
 echo "pytest exit $?"
 tail -n 40 "$out/tests.log"
@@ -70,7 +70,7 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     print(f"{f.stem}: {json.dumps(json.loads(f.read_text()))}")
 PY
 # the acceptance benches (a), (b), (c) on the GPU worker, while time is left (BENCH_S, default 300 s); more
-# options in PHOTOS_ARGS, e.g. "--sizes 640x480 --client-spin-us 0"
+# options in PHOTOS_ARGS (the tests' limit is TESTS_S, default 520 s), e.g. "--sizes 640x480 --client-spin-us 0"
 timeout "${BENCH_S:-300}" python3 -m shmbroker.bench.photos --config bench/gpu_photos.toml --quick \
   --out "$out/photos.json" ${PHOTOS_ARGS:-} > "$out/photos.md" 2> "$out/photos.log"
 echo "bench.photos exit $?"

@@ -2,9 +2,11 @@
 rows into [3, H, W] uint8 RGB tensors on the device, queued on the caller's stream, or says why a row did not
 decode. ``open_decoder`` takes the first that imports and decodes a test image on this device.
 
-- ``nvimgcodec``: nvImageCodec's nvJPEG (the card's hardware JPEG engines where it has them, else CUDA) with
-  libjpeg's "fancy" (triangular) chroma upsampling, the one the CPU recipe's Pillow decodes with; EXIF
-  orientation is not applied (the CPU recipe applies none). A row it cannot decode comes back alone.
+- ``nvimgcodec``: nvImageCodec's nvJPEG (the card's hardware JPEG engines where it has them, then CUDA, then the
+  hybrid decoder: Huffman decoding on the worker's CPU, the rest on CUDA, for what the hardware engines refuse,
+  such as progressive JPEGs, where the CUDA decoder does not load) with libjpeg's "fancy" (triangular) chroma
+  upsampling, the one the CPU recipe's Pillow decodes with; EXIF orientation is not applied (the CPU recipe
+  applies none). A row it cannot decode comes back alone.
 - ``nvimgcodec-cuda``: the same on the CUDA decoder alone (no hardware engines), for a card without them or
   where their pixels or rate differ.
 - ``torchvision``: torchvision's ``decode_jpeg`` on CUDA (nvJPEG with its own chroma upsampling: a fifth of a
@@ -46,15 +48,17 @@ class NvImageCodecDecoder:
 
         self._nv = nvimgcodec
         self._torch = torch
-        # the GPU backends only: where nvJPEG is missing its CPU fallback (libjpeg-turbo) would decode on the
-        # worker's cores without a word; then this decoder fails its test image and the next one is tried
+        self._device = torch.device("cuda", device)
+        # no CPU backend: where nvJPEG is missing, libjpeg-turbo would decode on the worker's cores without a
+        # word; then this decoder fails its test image and the next one is tried. The hybrid backend keeps the
+        # pixels on the device: bench/RESULTS.md#photos-on-the-h100-with-nvimagecodec
         kinds = [nvimgcodec.BackendKind.GPU_ONLY]
         if hardware:
-            kinds.insert(0, nvimgcodec.BackendKind.HW_GPU_ONLY)
+            kinds = [nvimgcodec.BackendKind.HW_GPU_ONLY, *kinds, nvimgcodec.BackendKind.HYBRID_CPU_GPU]
         self._decoder = nvimgcodec.Decoder(device_id=device, backend_kinds=kinds, options=":fancy_upsampling=1")
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
                                                allow_any_depth=False)
-        engines = "hardware and CUDA" if hardware else "CUDA"
+        engines = "hardware, CUDA and hybrid" if hardware else "CUDA"
         self.backend = (f"nvImageCodec {getattr(nvimgcodec, '__version__', '?')} (nvJPEG {engines}, fancy "
                         f"upsampling) on cuda:{device} ({torch.cuda.get_device_name(device)})")
 
@@ -65,8 +69,9 @@ class NvImageCodecDecoder:
                 for im in images]
 
     def _tensor(self, image: Any) -> Any:
-        """An image (on the device, or on the host where a CPU codec took it) as [3, H, W], no copy on the device."""
-        return self._torch.from_dlpack(image.cuda()).permute(2, 0, 1)
+        """An image (on the device, or on the host where a CPU codec took it) as [3, H, W], no copy on the device.
+        Through the CUDA array interface: the tensor then holds the image object itself, released under the GIL."""
+        return self._torch.as_tensor(image.cuda(), device=self._device).permute(2, 0, 1)
 
 
 class TorchvisionDecoder:
