@@ -179,6 +179,9 @@ class GpuBench:
                 before, after = window
                 out["stages"] = gpu_load.stage_figures(before.stats, after.stats, MODEL, after.t - before.t)
                 out["worker_cpu_us_per_request"] = gpu_load.worker_cpu(before, after, MODEL)
+                out["worker_runq_us_per_request"] = gpu_load.worker_cpu(before, after, MODEL, "waits")
+                out["worker_preempted_per_1k_requests"] = gpu_load.worker_cpu(before, after, MODEL, "preempted")
+                out["host_cpu"] = gpu_load.host_cpu(before, after)
         out["shutdown"] = b.shutdown_figures()
         out["startup_s"] = None if b.startup_s is None else round(b.startup_s, 2)
         if not out["shutdown"]["shm_clean"]:

@@ -11,7 +11,7 @@
 #     eager, eagerbase   the PyTorch engine with CUDA graphs, 16 x 40
 #     null               the null engine (100 us a batch), 16 x N in flight: null-sS-xN
 #     gil, early         inductor, 16 x 48, this tree with --set worker.gil_switch_us=500 or early_copies=true
-#     spin0              inductor, 16 x 48, this tree with --client-spin-us 0
+#     spin0, nice        inductor, 16 x 48, this tree with --client-spin-us 0 or --worker-nice -10
 #   bash bench/gpu_ab.sh new-s2-1 base-s2-1 new-s2-2 base-s2-2 null-s8-x96
 set -uo pipefail
 T0=$SECONDS
@@ -51,7 +51,8 @@ for r in "$@"; do
     gil) bench "$r" . "$s" 48 "${ind[@]}" --set worker.gil_switch_us=500 ;;
     early) bench "$r" . "$s" 48 "${ind[@]}" --set early_copies=true ;;
     spin0) bench "$r" . "$s" 48 "${ind[@]}" --client-spin-us 0 ;;
-    *) echo "unknown run $r (new, base, notrim, basenotrim, eager, eagerbase, null, gil, early, spin0)"; exit 2 ;;
+    nice) bench "$r" . "$s" 48 "${ind[@]}" --worker-nice -10 ;;
+    *) echo "unknown run $r (new, base, notrim, basenotrim, eager, eagerbase, null, gil, early, spin0, nice)"; exit 2 ;;
   esac
 done
 python3 -m shmbroker.bench.gpu_summary $H/runs

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from shmbroker.bench import cpu_sample
 from shmbroker.bench.common import ChainSet, Figures, Progress, latency_summary
@@ -242,11 +243,15 @@ def _client_cpu_us(results: list[Figures]) -> float | None:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The broker's stats at ``t`` (time.monotonic()), and the CPU seconds of each worker's threads then."""
+    """The broker's stats at ``t`` (time.monotonic()), and the CPU seconds of each worker's threads then, and
+    the seconds they had waited for a core."""
 
     t: float
     stats: P.StatsReply
     cpu: dict[int, cpu_sample.CpuSample]  # worker pid -> its threads
+    waits: dict[int, cpu_sample.CpuSample]  # worker pid -> its threads' run-queue delay
+    preempted: dict[int, cpu_sample.CpuSample]  # worker pid -> its threads' nonvoluntary switches
+    host: Any  # psutil.cpu_times(): the whole machine's CPU seconds by kind, steal (the hypervisor's) included
 
 
 class Sampler(threading.Thread):
@@ -283,7 +288,10 @@ class Sampler(threading.Thread):
                     reply = ask_broker(self.runtime_dir, P.StatsRequest(), 2.0)
                     if isinstance(reply, P.StatsReply):
                         cpu = {w.pid: cpu_sample.threads(w.pid) for w in reply.workers}
-                        self.stats.append(Snapshot(time.monotonic(), reply, cpu))
+                        waits = {w.pid: cpu_sample.run_waits(w.pid) for w in reply.workers}
+                        preempted = {w.pid: cpu_sample.preemptions(w.pid) for w in reply.workers}
+                        self.stats.append(Snapshot(time.monotonic(), reply, cpu, waits, preempted,
+                                                   psutil.cpu_times()))
                     next_stats = now + 0.5
         finally:
             if pynvml is not None:
@@ -306,14 +314,32 @@ class Sampler(threading.Thread):
         return first, last
 
 
-def worker_cpu(before: Snapshot, after: Snapshot, model: str) -> Figures:
-    """Each worker's CPU microseconds per request of ``model`` between two snapshots, by thread name."""
+def worker_cpu(before: Snapshot, after: Snapshot, model: str, what: str = "cpu") -> Figures:
+    """Each worker's figure per request of ``model`` between two snapshots, by thread name: ``what`` "cpu", CPU
+    microseconds; "waits", microseconds waited for a core; "preempted", nonvoluntary switches per 1000."""
     a, b = _model(after.stats, model), _model(before.stats, model)
     if a is None or b is None:
         return {"error": f"no stats for model {model!r}"}
     requests = sum(a.requests.values()) - sum(b.requests.values())
-    return {str(pid): cpu_sample.per_request_us(before.cpu.get(pid, {}), cpu, requests)
-            for pid, cpu in after.cpu.items()}
+    first: dict[int, cpu_sample.CpuSample] = getattr(before, what)
+    last: dict[int, cpu_sample.CpuSample] = getattr(after, what)
+    scale = 1e3 if what == "preempted" else 1e6
+    return {str(pid): cpu_sample.per_request_us(first.get(pid, {}), sample, requests, scale)
+            for pid, sample in last.items()}
+
+
+def host_cpu(before: Snapshot, after: Snapshot) -> Figures:
+    """The machine's CPU between two snapshots, in % of all its cores: busy (not idle nor waiting on IO), and
+    stolen (a virtual machine's cores running another guest): a run that is slow for no reason of its own shows
+    in the second."""
+    a, b = after.host._asdict(), before.host._asdict()
+    diff = {k: a[k] - b[k] for k in a if k not in ("guest", "guest_nice")}  # already counted in user and nice
+    total = sum(diff.values())
+    if total <= 0:
+        return {}
+    idle = diff.get("idle", 0.0) + diff.get("iowait", 0.0)
+    return {"busy_pct": round(100 * (total - idle - diff.get("steal", 0.0)) / total, 1),
+            "steal_pct": round(100 * diff.get("steal", 0.0) / total, 2)}
 
 
 def _model(reply: P.StatsReply, name: str) -> P.ModelStats | None:

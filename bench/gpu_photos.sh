@@ -8,7 +8,8 @@
 # with
 #   ../shared/device/prepare-wheels.sh msgspec==0.23.0 prometheus-client==0.26.0 rich==15.0.0 \
 #     markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 onnxconverter-common==1.16.0
-# (add nvidia-nvjpeg==13.2.3.58 if the preflight below says torchvision finds no libnvjpeg) and carry .whl:
+# (add nvidia-nvjpeg==13.2.3.58 if the preflight below says torchvision finds no libnvjpeg, py-spy==0.4.1 for
+# PROFILE=1 below) and carry .whl:
 # this script installs them with that script's install line. The image lacks the packages that ship the test
 # photographs (scikit-image, scikit-learn, matplotlib, mate-backgrounds): write them here with
 #   python -m shmbroker.bench.photoset --export .gpu/photos        (about 15 MB)
@@ -71,7 +72,13 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
 PY
 # the acceptance benches (a), (b), (c) on the GPU worker, while time is left (BENCH_S, default 300 s); more
 # options in PHOTOS_ARGS (the tests' limit is TESTS_S, default 520 s), e.g. "--sizes 640x480 --client-spin-us 0"
-timeout "${BENCH_S:-300}" python3 -m shmbroker.bench.photos --config bench/gpu_photos.toml --quick \
+# PROFILE=1 runs it under py-spy (a py-spy wheel in .whl), every process sampled, native frames included, into
+# $out/profile.txt (py-spy's raw format: one stack a line and its count)
+spy=()
+if [ -n "${PROFILE:-}" ] && [ -x /tmp/site/bin/py-spy ]; then
+  spy=(/tmp/site/bin/py-spy record -r 250 --subprocesses --native --format raw -o "$out/profile.txt" --)
+fi
+timeout "${BENCH_S:-300}" "${spy[@]}" python3 -m shmbroker.bench.photos --config bench/gpu_photos.toml --quick \
   --out "$out/photos.json" ${PHOTOS_ARGS:-} > "$out/photos.md" 2> "$out/photos.log"
 echo "bench.photos exit $?"
 cat "$out/photos.md"; tail -n 5 "$out/photos.log"

@@ -37,7 +37,8 @@ def lines(name: str, doc: dict[str, Any]) -> list[str]:
 
 def _cpu_line(c: dict[str, Any]) -> list[str]:
     """Each worker thread's CPU us a request and its share of a core at the window's rate, and each client
-    process's: a thread near 100 % is the host path's ceiling."""
+    process's: a thread near 100 % is the host path's ceiling; then how long and how often the worker's threads
+    waited for a core: other processes holding the cores."""
     rate = c.get("per_s") or 0
     parts = []
     for threads in (c.get("worker_cpu_us_per_request") or {}).values():
@@ -50,6 +51,14 @@ def _cpu_line(c: dict[str, Any]) -> list[str]:
     client, procs = c.get("client_cpu_us_per_request"), c.get("clients") or 0
     if client and procs:
         parts.append(f"client process {client:.0f} us ({client * rate / procs / 1e4:.0f} % each)")
+    host = c.get("host_cpu") or {}
+    if host:
+        parts.append(f"machine {host.get('busy_pct')} % busy, {host.get('steal_pct')} % stolen")
+    for key, label in (("worker_runq_us_per_request", "waited for a core, us"),
+                       ("worker_preempted_per_1k_requests", "preempted per 1000 requests")):
+        for threads in (c.get(key) or {}).values():
+            if isinstance(threads, dict) and threads:
+                parts.append(f"{label}: " + " ".join(f"{k} {v:.1f}" for k, v in threads.items()))
     return [f"{'':>16} cpu: " + ", ".join(parts)] if parts else []
 
 

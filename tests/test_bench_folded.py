@@ -1,4 +1,5 @@
-"""bench.folded sums py-spy's collapsed stacks; bench.cpu_sample turns CPU seconds into microseconds per request."""
+"""bench.folded sums py-spy's collapsed stacks; bench.cpu_sample samples threads' CPU and run-queue seconds by name
+and turns them into microseconds per request."""
 
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ def test_a_named_thread_is_sampled_under_its_name() -> None:
     try:
         started.wait(10)
         assert "bench-probe" in cpu_sample.threads(os.getpid())
+        names = set(cpu_sample.threads(os.getpid()))
+        assert set(cpu_sample.preemptions(os.getpid())) == names
+        waits = cpu_sample.run_waits(os.getpid())  # empty on a kernel that keeps no run-queue delay
+        assert not waits or set(waits) == names
     finally:
         finish.set()
         t.join()

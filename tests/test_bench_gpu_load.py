@@ -3,6 +3,8 @@ process counts the answers inside its window with either API, against a real bro
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from shmbroker.bench import gpu_load
@@ -26,6 +28,25 @@ def test_batch_sizes_and_compute_of_the_window_only() -> None:
     assert out["batch_sizes"] == {"192": 4, "256": 4}  # sizes with no batch in the window are left out
     assert out["mean_batch"] == 224.0
     assert out["compute_busy_pct"] == 2.0  # 10 ms of event-timed compute in 0.5 s
+
+
+def _snapshot(t: float, requests: int, cpu: float, preempted: float, host: dict[str, float]) -> gpu_load.Snapshot:
+    reply = _reply({"1": 1}, 0.0)
+    reply.workers[0].models[0].requests["OK"] = requests
+    times = collections.namedtuple("times", list(host))(**host)  # psutil.cpu_times()'s shape
+    return gpu_load.Snapshot(t, reply, {7: {"runner": cpu}}, {}, {7: {"runner": preempted}}, times)
+
+
+def test_the_worker_and_machine_figures_of_a_window() -> None:
+    before = _snapshot(1.0, 1000, 2.0, 10, {"user": 10.0, "system": 2.0, "idle": 50.0, "iowait": 0.0,
+                                           "steal": 1.0, "guest": 0.0})
+    after = _snapshot(2.0, 11_000, 2.05, 30, {"user": 14.0, "system": 3.0, "idle": 54.0, "iowait": 1.0,
+                                             "steal": 2.0, "guest": 3.0})
+    assert gpu_load.worker_cpu(before, after, "nsfw") == {"7": {"runner": 5.0, "total": 5.0}}
+    assert gpu_load.worker_cpu(before, after, "nsfw", "preempted") == {"7": {"runner": 2.0, "total": 2.0}}
+    assert gpu_load.worker_cpu(before, after, "nsfw", "waits") == {}  # this kernel kept no run-queue delay
+    # 11 s of CPU time passed: 5 busy (guest time is inside user), 5 idle or waiting on IO, 1 stolen
+    assert gpu_load.host_cpu(before, after) == {"busy_pct": 45.5, "steal_pct": 9.09}
 
 
 @pytest.mark.parametrize("api", ["call", "infer", "request"])
