@@ -25,7 +25,8 @@
 set -uo pipefail
 out=${OUT:-/tmp/gpu-photos}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+# nvImageCodec's warnings (a row it could not decode, and why) into the logs
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PYNVIMGCODEC_VERBOSITY=${PYNVIMGCODEC_VERBOSITY:-2}
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl || exit

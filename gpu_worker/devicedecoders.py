@@ -2,11 +2,12 @@
 rows into [3, H, W] uint8 RGB tensors on the device, queued on the caller's stream, or says why a row did not
 decode. ``open_decoder`` takes the first that imports and decodes a test image on this device.
 
-- ``nvimgcodec``: nvImageCodec's nvJPEG (the card's hardware JPEG engines where it has them, then CUDA, then the
-  hybrid decoder: Huffman decoding on the worker's CPU, the rest on CUDA, for what the hardware engines refuse,
-  such as progressive JPEGs, where the CUDA decoder does not load) with libjpeg's "fancy" (triangular) chroma
+- ``nvimgcodec``: nvImageCodec's nvJPEG, the card's hardware JPEG engines where it has them, then nvJPEG's CUDA
+  decoder for what they refuse (progressive files, 4:1:1), with libjpeg's "fancy" (triangular) chroma
   upsampling, the one the CPU recipe's Pillow decodes with; EXIF orientation is not applied (the CPU recipe
-  applies none). A row it cannot decode comes back alone.
+  applies none). A row it cannot decode comes back alone. nvImageCodec files the CUDA decoder under the hybrid
+  backend kind: nvJPEG decodes the Huffman code of a small image on the host's threads, of a large one on the
+  device; the pixels are the device's either way.
 - ``nvimgcodec-cuda``: the same on the CUDA decoder alone (no hardware engines), for a card without them or
   where their pixels or rate differ.
 - ``torchvision``: torchvision's ``decode_jpeg`` on CUDA (nvJPEG with its own chroma upsampling: a fifth of a
@@ -43,22 +44,26 @@ class NvImageCodecDecoder:
     """nvImageCodec's decoder with fancy upsampling and no EXIF rotation (see the module's docstring), on the
     hardware JPEG engines and, for what they do not take, the CUDA decoder (``hardware=False``: CUDA only)."""
 
-    def __init__(self, torch: Any, device: int, hardware: bool = True) -> None:
+    def __init__(self, torch: Any, device: int, max_batch: int, hardware: bool = True) -> None:
+        """``max_batch``: the most rows a batch decodes, which the hardware decoder allocates for up front."""
         from nvidia import nvimgcodec
 
         self._nv = nvimgcodec
         self._torch = torch
         self._device = torch.device("cuda", device)
-        # no CPU backend: where nvJPEG is missing, libjpeg-turbo would decode on the worker's cores without a
-        # word; then this decoder fails its test image and the next one is tried. The hybrid backend keeps the
-        # pixels on the device: bench/RESULTS.md#photos-on-the-h100-with-nvimagecodec
-        kinds = [nvimgcodec.BackendKind.GPU_ONLY]
+        # no CPU_ONLY kind: where nvJPEG is missing, libjpeg-turbo would decode on the worker's cores without a
+        # word; then this decoder fails its test image and the next one is tried. GPU_ONLY holds no JPEG decoder
+        # in nvImageCodec 0.6 (bench/RESULTS.md#photos-on-the-h100-with-nvimagecodec)
+        kinds = [nvimgcodec.BackendKind.HYBRID_CPU_GPU]
+        options = [":fancy_upsampling=1"]
         if hardware:
-            kinds = [nvimgcodec.BackendKind.HW_GPU_ONLY, *kinds, nvimgcodec.BackendKind.HYBRID_CPU_GPU]
-        self._decoder = nvimgcodec.Decoder(device_id=device, backend_kinds=kinds, options=":fancy_upsampling=1")
+            kinds.insert(0, nvimgcodec.BackendKind.HW_GPU_ONLY)
+            # sized at its first decode otherwise, which is open_decoder's one-row test image
+            options.append(f"nvjpeg_hw_decoder:preallocate_batch_size={max_batch}")
+        self._decoder = nvimgcodec.Decoder(device_id=device, backend_kinds=kinds, options=" ".join(options))
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
                                                allow_any_depth=False)
-        engines = "hardware, CUDA and hybrid" if hardware else "CUDA"
+        engines = "hardware and CUDA" if hardware else "CUDA"
         self.backend = (f"nvImageCodec {getattr(nvimgcodec, '__version__', '?')} (nvJPEG {engines}, fancy "
                         f"upsampling) on cuda:{device} ({torch.cuda.get_device_name(device)})")
 
@@ -77,7 +82,7 @@ class NvImageCodecDecoder:
 class TorchvisionDecoder:
     """torchvision's ``decode_jpeg`` on CUDA (see the module's docstring)."""
 
-    def __init__(self, torch: Any, device: int) -> None:
+    def __init__(self, torch: Any, device: int, max_batch: int) -> None:
         import torchvision
         from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -104,9 +109,10 @@ class TorchvisionDecoder:
             return f"corrupt or truncated JPEG: {str(exc).splitlines()[0]}"
 
 
-DECODERS: dict[str, Callable[[Any, int], DeviceDecoder]] = {
+# each made with (torch, device, max_batch)
+DECODERS: dict[str, Callable[[Any, int, int], DeviceDecoder]] = {
     "nvimgcodec": NvImageCodecDecoder,
-    "nvimgcodec-cuda": lambda torch, device: NvImageCodecDecoder(torch, device, hardware=False),
+    "nvimgcodec-cuda": lambda torch, device, max_batch: NvImageCodecDecoder(torch, device, max_batch, hardware=False),
     "torchvision": TorchvisionDecoder,
 }
 
@@ -129,8 +135,10 @@ def probe_jpeg() -> bytes:
         return buf.getvalue()
 
 
-def open_decoder(torch: Any, device: int, names: tuple[str, ...] = tuple(DECODERS)) -> DeviceDecoder:
-    """The first decoder of ``names`` that opens and decodes ``probe_jpeg`` to [3, 16, 32] on ``device``.
+def open_decoder(torch: Any, device: int, names: tuple[str, ...] = tuple(DECODERS),
+                 max_batch: int = 1) -> DeviceDecoder:
+    """The first decoder of ``names`` that opens and decodes ``probe_jpeg`` to [3, 16, 32] on ``device``, made for
+    batches of up to ``max_batch`` rows.
 
     Raises:
         NoDecoder: none did, with each one's reason.
@@ -139,7 +147,7 @@ def open_decoder(torch: Any, device: int, names: tuple[str, ...] = tuple(DECODER
     data = probe_jpeg()
     for name in names:
         try:
-            decoder = DECODERS[name](torch, device)
+            decoder = DECODERS[name](torch, device, max_batch)
             with torch.cuda.device(device):
                 stream = torch.cuda.current_stream(device)
                 out = decoder.decode([memoryview(bytearray(data))], stream)[0]

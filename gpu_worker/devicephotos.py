@@ -116,7 +116,7 @@ class DevicePhotos:
                               "install torch (a CUDA build)") from None
         self.torch = torch
         try:
-            self.decoder = open_decoder(torch, device, (decoder,) if decoder else tuple(DECODERS))
+            self.decoder = open_decoder(torch, device, (decoder,) if decoder else tuple(DECODERS), model.max_batch)
         except NoDecoder as exc:
             key = f"gpu_decoder = {decoder!r}" if decoder else "input = \"image\""
             raise EngineError(f"models.{model.name}.{key} on a GPU worker: {exc}") from None
