@@ -105,7 +105,8 @@ def worker_families(workers: Iterable[P.WorkerStats]) -> Iterator[Metric]:
     restarts = CounterMetricFamily("shmbroker_worker_restarts", "times the broker restarted this worker",
                                    labels=["worker"])
     stages = HistogramMetricFamily("shmbroker_stage_duration_seconds",
-                                   "GPU pipeline stage durations: queue (per request), h2d, wait, compute, d2h, answer",
+                                   "GPU pipeline stage durations: queue (per request), h2d, wait, compute, d2h, "
+                                   "wake, answer",
                                    labels=["model", "worker", "stage"])
     for w in workers:
         wid = str(w.worker_id)
