@@ -199,14 +199,16 @@ def _window(chains: Chains, spec: dict[str, Any]) -> Figures:
     t0 = time.perf_counter()
     w0 = time.monotonic() + spec["warmup_s"]
     chains.t_count, chains.t_end = t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"]
-    cpu0 = time.process_time()
+    cpu0, switched0 = time.process_time(), psutil.Process().num_ctx_switches().involuntary
     drained = chains.run(spec["warmup_s"] + spec["duration_s"] + 30.0)
     cpu_s = time.process_time() - cpu0
+    preempted = psutil.Process().num_ctx_switches().involuntary - switched0
     with chains.lock:
         samples, errors = list(chains.samples), dict(chains.errors)
     return {"completed": len(samples), "errors": sum(errors.values()), "error_codes": errors,
             "samples_ns": samples, "window_s": spec["duration_s"], "lost": 0 if drained else chains.live,
-            "window_monotonic": [w0, w0 + spec["duration_s"]], "cpu_s": cpu_s, "answered": chains.answered}
+            "window_monotonic": [w0, w0 + spec["duration_s"]], "cpu_s": cpu_s, "preempted": preempted,
+            "answered": chains.answered}
 
 
 def group(progress: Progress, target: Target, specs: list[dict[str, Any]], sampler: Sampler,
@@ -232,6 +234,7 @@ def merge(results: list[Figures], duration_s: float, sampler: Sampler) -> Figure
             "errors": sum(r["errors"] for r in results), "latency": latency_summary(samples),
             "gpu_busy_pct": sampler.busy_pct(t0, t1), "gpu_busy_error": sampler.error,
             "client_cpu_us_per_request": _client_cpu_us(results),
+            "client_preempted_per_1k_requests": _client_preempted(results),
             "window_monotonic": [t0, t1]}
 
 
@@ -239,6 +242,13 @@ def _client_cpu_us(results: list[Figures]) -> float | None:
     """The client processes' CPU microseconds per answered request, over their whole run (warm-up included)."""
     answered = sum(r.get("answered", 0) for r in results)
     return round(sum(r.get("cpu_s", 0.0) for r in results) * 1e6 / answered, 2) if answered else None
+
+
+def _client_preempted(results: list[Figures]) -> float | None:
+    """How often the client processes' threads were switched out while they could still run, per 1000 answered
+    requests, over their whole run."""
+    answered = sum(r.get("answered", 0) for r in results)
+    return round(sum(r.get("preempted", 0) for r in results) * 1e3 / answered, 2) if answered else None
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ def _cpu_line(c: dict[str, Any]) -> list[str]:
     client, procs = c.get("client_cpu_us_per_request"), c.get("clients") or 0
     if client and procs:
         parts.append(f"client process {client:.0f} us ({client * rate / procs / 1e4:.0f} % each)")
+    if c.get("client_preempted_per_1k_requests") is not None:
+        parts.append(f"clients preempted {c['client_preempted_per_1k_requests']} per 1000 requests")
     host = c.get("host_cpu") or {}
     if host:
         parts.append(f"machine {host.get('busy_pct')} % busy, {host.get('steal_pct')} % stolen")

@@ -58,6 +58,7 @@ def test_a_client_process_counts_its_windows_answers_with_each_api(broker: Runni
     assert out["errors"] == 0 and out["lost"] == 0, out["error_codes"]
     assert out["completed"] == len(out["samples_ns"]) > 0
     assert out["answered"] >= out["completed"]  # and the answers of the warm-up and the drain, outside the window
+    assert out["preempted"] >= 0 and out["cpu_s"] > 0
     w0, w1 = out["window_monotonic"]
     assert w1 - w0 == spec["duration_s"]
     assert all(0 < ns < 2e9 for ns in out["samples_ns"])  # each within the model's 2 s timeout
