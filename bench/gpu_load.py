@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import psutil
@@ -253,8 +253,8 @@ def _client_preempted(results: list[Figures]) -> float | None:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The broker's stats at ``t`` (time.monotonic()), and the CPU seconds of each worker's threads then, and
-    the seconds they had waited for a core."""
+    """The broker's stats at ``t`` (time.monotonic()); each worker's threads' CPU seconds then, the seconds they
+    had waited for a core and how often they were preempted; and the machine's CPU times."""
 
     t: float
     stats: P.StatsReply
@@ -324,7 +324,8 @@ class Sampler(threading.Thread):
         return first, last
 
 
-def worker_cpu(before: Snapshot, after: Snapshot, model: str, what: str = "cpu") -> Figures:
+def worker_cpu(before: Snapshot, after: Snapshot, model: str,
+               what: Literal["cpu", "waits", "preempted"] = "cpu") -> Figures:
     """Each worker's figure per request of ``model`` between two snapshots, by thread name: ``what`` "cpu", CPU
     microseconds; "waits", microseconds waited for a core; "preempted", nonvoluntary switches per 1000."""
     a, b = _model(after.stats, model), _model(before.stats, model)
