@@ -178,6 +178,7 @@ class GpuBench:
             if window is not None:
                 before, after = window
                 out["stages"] = gpu_load.stage_figures(before.stats, after.stats, MODEL, after.t - before.t)
+                out["outside_worker_ms"] = gpu_load.outside_worker_ms(out["latency"], out["stages"])
                 out["worker_cpu_us_per_request"] = gpu_load.worker_cpu(before, after, MODEL)
                 out["worker_runq_us_per_request"] = gpu_load.worker_cpu(before, after, MODEL, "waits")
                 out["worker_preempted_per_1k_requests"] = gpu_load.worker_cpu(before, after, MODEL, "preempted")

@@ -383,5 +383,21 @@ def stage_figures(before: P.StatsReply, after: P.StatsReply, model: str, seconds
     return out
 
 
+# a request's path through the worker: its wait in the batcher, then its batch's stages to its last DONE sent
+WORKER_STAGES = ("queue", "h2d", "wait", "compute", "d2h", "answer")
+
+
+def outside_worker_ms(latency: Figures, stages: Figures) -> float | None:
+    """A request's mean time outside the worker's stages, in ms: the clients' own, the sockets', and the wait
+    for the worker's IO thread to take it in; what is left of the mean latency after the stages' means (None
+    where a stage is missing). With a fixed number in flight, the more of them are out there, the fewer the
+    worker batches (bench/RESULTS.md#two-more-starts-the-completion-threads-wake-up-and-three-variants)."""
+    means = [stages.get(k, {}).get("mean_us") for k in WORKER_STAGES]
+    total = latency.get("mean_us")
+    if total is None or any(m is None for m in means):
+        return None
+    return round((float(total) - sum(float(m) for m in means)) / 1e3, 2)
+
+
 def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 1)

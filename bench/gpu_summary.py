@@ -51,6 +51,9 @@ def _cpu_line(c: dict[str, Any]) -> list[str]:
     client, procs = c.get("client_cpu_us_per_request"), c.get("clients") or 0
     if client and procs:
         parts.append(f"client process {client:.0f} us ({client * rate / procs / 1e4:.0f} % each)")
+    outside = c.get("outside_worker_ms")
+    if outside is not None:
+        parts.append(f"{outside:.2f} ms a request outside the worker's stages ({outside * rate / 1e3:.0f} requests)")
     if c.get("client_preempted_per_1k_requests") is not None:
         parts.append(f"clients preempted {c['client_preempted_per_1k_requests']} per 1000 requests")
     host = c.get("host_cpu") or {}

@@ -49,6 +49,13 @@ def test_the_worker_and_machine_figures_of_a_window() -> None:
     assert gpu_load.host_cpu(before, after) == {"busy_pct": 45.5, "steal_pct": 9.09}
 
 
+def test_the_time_outside_the_workers_stages_is_what_the_latency_leaves() -> None:
+    stages = {k: {"mean_us": 1000.0} for k in gpu_load.WORKER_STAGES}
+    assert gpu_load.outside_worker_ms({"mean_us": 9500.0}, stages) == 3.5
+    del stages["answer"]
+    assert gpu_load.outside_worker_ms({"mean_us": 9500.0}, stages) is None  # a CPU worker has no stages
+
+
 @pytest.mark.parametrize("api", ["call", "infer", "request"])
 def test_a_client_process_counts_its_windows_answers_with_each_api(broker: RunningBroker, api: str) -> None:
     spec = {"index": 0, "seed": 1, "shape": [1, TINY_WIDTH], "warmup_s": 0.1, "duration_s": 0.5,
