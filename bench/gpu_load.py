@@ -233,22 +233,17 @@ def merge(results: list[Figures], duration_s: float, sampler: Sampler) -> Figure
     return {"per_s": round(completed / duration_s, 1), "completed": completed,
             "errors": sum(r["errors"] for r in results), "latency": latency_summary(samples),
             "gpu_busy_pct": sampler.busy_pct(t0, t1), "gpu_busy_error": sampler.error,
-            "client_cpu_us_per_request": _client_cpu_us(results),
-            "client_preempted_per_1k_requests": _client_preempted(results),
+            "client_cpu_us_per_request": _per_answer(results, "cpu_s", 1e6),
+            "client_preempted_per_1k_requests": _per_answer(results, "preempted", 1e3),
             "window_monotonic": [t0, t1]}
 
 
-def _client_cpu_us(results: list[Figures]) -> float | None:
-    """The client processes' CPU microseconds per answered request, over their whole run (warm-up included)."""
+def _per_answer(results: list[Figures], key: str, scale: float) -> float | None:
+    """The client processes' ``key`` summed, times ``scale``, per answered request, over their whole run (warm-up
+    included): their CPU seconds (``cpu_s``, 1e6: microseconds), or their preemptions (``preempted``, 1e3: per
+    1000 requests)."""
     answered = sum(r.get("answered", 0) for r in results)
-    return round(sum(r.get("cpu_s", 0.0) for r in results) * 1e6 / answered, 2) if answered else None
-
-
-def _client_preempted(results: list[Figures]) -> float | None:
-    """How often the client processes' threads were switched out while they could still run, per 1000 answered
-    requests, over their whole run."""
-    answered = sum(r.get("answered", 0) for r in results)
-    return round(sum(r.get("preempted", 0) for r in results) * 1e3 / answered, 2) if answered else None
+    return round(sum(r.get(key, 0) for r in results) * scale / answered, 2) if answered else None
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@
 set -uo pipefail
 out=${OUT:-/tmp/gpu-photos}
 mkdir -p "$out"
-# nvImageCodec's warnings (a row it could not decode, and why) into the logs
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PYNVIMGCODEC_VERBOSITY=${PYNVIMGCODEC_VERBOSITY:-2}
+# nvImageCodec's warnings (a row it could not decode, and why) and a crash's Python stack into the logs
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONPATH=$PWD PYNVIMGCODEC_VERBOSITY=${PYNVIMGCODEC_VERBOSITY:-2}
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl || exit
@@ -79,7 +79,7 @@ spy=()
 if [ -n "${PROFILE:-}" ] && [ -x /tmp/site/bin/py-spy ]; then
   spy=(/tmp/site/bin/py-spy record -r 250 --subprocesses --native --format raw -o "$out/profile.txt" --)
 fi
-timeout "${BENCH_S:-300}" "${spy[@]}" python3 -m shmbroker.bench.photos --config bench/gpu_photos.toml --quick \
+timeout "${BENCH_S:-300}" ${spy[@]+"${spy[@]}"} python3 -m shmbroker.bench.photos --config bench/gpu_photos.toml --quick \
   --out "$out/photos.json" ${PHOTOS_ARGS:-} > "$out/photos.md" 2> "$out/photos.log"
 echo "bench.photos exit $?"
 cat "$out/photos.md"; tail -n 5 "$out/photos.log"
