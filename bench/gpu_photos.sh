@@ -2,10 +2,10 @@
 # Photos on a GPU worker, in one 10-minute call on the GPU machine: tests/gpu/test_device_photos.py (a broker
 # and GPU worker decoding with nvJPEG and preprocessing on the device; scores of real photographs against the
 # CPU reference recipe; corrupt, truncated, non-image, oversized and bomb rows; the decoder named; the stage's
-# rows against the CPU preset's and its in-process images/s), then each test's figures, then the photo bench's
-# (a), (b) and (c) on bench/gpu_photos.toml (`shmbroker bench --photos --quick`). Logs and JSON go to
-# $OUT (default /tmp/gpu-photos). The machine's image lacks some of shmbroker's dependencies: fetch them here
-# with
+# rows against the CPU preset's and its in-process images/s; with tests/gpu/test_finishgraphs.py), then each
+# test's figures, then the photo bench's (a), (b) and (c) on bench/gpu_photos.toml (`shmbroker bench --photos
+# --quick`). Logs and JSON go to $OUT (default /tmp/gpu-photos). The machine's image lacks some of
+# shmbroker's dependencies: fetch them here with
 #   ../shared/device/prepare-wheels.sh msgspec==0.23.0 prometheus-client==0.26.0 rich==15.0.0 \
 #     markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 onnxconverter-common==1.16.0
 # (add nvidia-nvjpeg==13.2.3.58 if the preflight below says torchvision finds no libnvjpeg, py-spy==0.4.1 for
@@ -63,7 +63,7 @@ except NoDecoder as exc:
     print("no decoder:", exc.reasons)
 PY
 SHMBROKER_GPU_PHOTOS_OUT="$out/figures" timeout "${TESTS_S:-520}" python3 -m pytest -q -p no:cacheprovider -rs \
-  tests/gpu/test_device_photos.py > "$out/tests.log" 2>&1
+  tests/gpu/test_device_photos.py tests/gpu/test_finishgraphs.py > "$out/tests.log" 2>&1
 echo "pytest exit $?"
 tail -n 40 "$out/tests.log"
 python3 - "$out/figures" <<'PY'
@@ -73,13 +73,26 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
 PY
 # the acceptance benches (a), (b), (c) on the GPU worker, while time is left (BENCH_S, default 300 s); more
 # options in PHOTOS_ARGS (the tests' limit is TESTS_S, default 520 s), e.g. "--sizes 640x480 --client-spin-us 0"
-# PROFILE=1 runs it under py-spy (a py-spy wheel in .whl), every process sampled, native frames included, into
-# $out/profile.txt (py-spy's raw format: one stack a line and its count)
-spy=()
-if [ -n "${PROFILE:-}" ] && [ -x /tmp/site/bin/py-spy ]; then
-  spy=(/tmp/site/bin/py-spy record -r 250 --subprocesses --native --format raw -o "$out/profile.txt" --)
-fi
-timeout "${BENCH_S:-300}" ${spy[@]+"${spy[@]}"} python3 -m shmbroker.bench.photos --config bench/gpu_photos.toml --quick \
+timeout "${BENCH_S:-300}" python3 -m shmbroker.bench.photos --config bench/gpu_photos.toml --quick \
   --out "$out/photos.json" ${PHOTOS_ARGS:-} > "$out/photos.md" 2> "$out/photos.log"
 echo "bench.photos exit $?"
 cat "$out/photos.md"; tail -n 5 "$out/photos.log"
+# PROFILE=1 (a py-spy wheel in .whl): then one more run at 640x480 with 6 s windows, py-spy attached for a few
+# seconds, native frames and waiting threads included, to the bench process in (a)'s first window
+# ($out/profile_a.txt) and to the worker in (b)'s ($out/profile_b.txt); py-spy's raw format, one stack a line
+if [ -n "${PROFILE:-}" ] && [ -x /tmp/site/bin/py-spy ]; then
+  log=$out/profiled.log
+  python3 -m shmbroker.bench.photos --config bench/gpu_photos.toml --quick --duration 6 --sizes 640x480 \
+    --out "$out/profiled.json" > "$out/profiled.md" 2> "$log" &
+  bench=$!  # py-spy needs the bench's own pid, so no `timeout` in front: PROFILE_S (default 150 s) ends it
+  (sleep "${PROFILE_S:-150}"; kill "$bench" 2>/dev/null) &
+  upto() { until grep -qF "$1" "$log" || ! kill -0 "$bench" 2>/dev/null; do sleep 0.2; done; }
+  spy() { /tmp/site/bin/py-spy record -p "$1" -d "$2" -r 100 --native --idle --threads --format raw -o "$3" \
+    > "$3.log" 2>&1; echo "py-spy on $1: exit $? ($(wc -l < "$3") stacks)"; }
+  upto "(a) in-process limit, 6 s (window 1"
+  spy "$bench" 4 "$out/profile_a.txt"
+  upto "(b) broker"
+  sleep 2  # the clients' warm-up
+  spy "$(pgrep -x shmb-worker-0 | head -n 1)" 4 "$out/profile_b.txt"
+  wait "$bench"; echo "profiled bench exit $?"; grep -F "(b) window" "$log"
+fi

@@ -35,6 +35,7 @@ from shmbroker.gpu_worker.batcher import Batcher
 from shmbroker.gpu_worker.devicedecoders import DECODERS, NoDecoder, open_decoder
 from shmbroker.gpu_worker.devicerecipe import DeviceRecipe
 from shmbroker.gpu_worker.engines.base import DeviceEngine, EngineError
+from shmbroker.gpu_worker.finishgraphs import FinishGraphs
 from shmbroker.gpu_worker.imageheader import JPEG, Header, read_header
 from shmbroker.gpu_worker.intake import ModelView, image_rows
 from shmbroker.gpu_worker.photos import PRESETS, ImageError, pillow_decode
@@ -137,6 +138,7 @@ class DevicePhotos:
         # each slot's last decoded images, kept until its next batch: the decoder's buffers outlive their reads
         # on the slot's stream, whoever allocated them
         self._held: dict[int, list[list[Any]]] = {}
+        self._graphs: dict[int, FinishGraphs] = {}  # per slot, from its warm-up
 
     # -- per stream slot, made once ----------------------------------------------------------------------
     def _stream(self, slot: StreamSlot) -> Any:
@@ -154,6 +156,17 @@ class DevicePhotos:
                                                                device=self.device)
         return t
 
+    def close(self) -> None:
+        """Drop the slots' held images and views once their streams are done; call before the slots close:
+        the decoder frees an image on the stream that allocated it, which must still exist then."""
+        for stream in self._streams.values():
+            stream.synchronize()
+        self._held.clear()
+        self._graphs.clear()
+        self._outs.clear()
+        self._frames.clear()
+        self._streams.clear()
+
     # -- one batch ---------------------------------------------------------------------------------------
     def run(self, works: list[Work], slot: StreamSlot) -> Batch:
         """(3) The batch's requests into the slot's engine input, queued on its stream; raises only for a fault
@@ -161,7 +174,7 @@ class DevicePhotos:
         torch = self.torch
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream(slot)):
             batch = self._frames_in(works, slot) if self.frame_shape else self._decode(works, slot)
-            self._preprocess(batch, self._out(slot))
+            self._preprocess(batch, slot)
         self._held[slot.index] = batch.images
         return batch
 
@@ -181,7 +194,7 @@ class DevicePhotos:
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream(slot)):
             images, failed = self._decode_all(checked, slot)
             batch = Batch(images=[im for j, im in enumerate(images) if j not in failed])
-            self._preprocess(batch, self._out(slot))
+            self._preprocess(batch, slot)
         self._held[slot.index] = batch.images
         bad.update({index[j]: why for j, why in failed.items()})
         return batch.rows, bad
@@ -271,15 +284,21 @@ class DevicePhotos:
             row += w.rows
         return batch
 
-    def _preprocess(self, batch: Batch, out: Any) -> None:
+    def _preprocess(self, batch: Batch, slot: StreamSlot) -> None:
         """(3c) Each size group, in chunks, resized and cropped (``DeviceRecipe.crop``), then the batch's crops
-        through the rest of the preset at once (``finish``) into the first rows of ``out``."""
+        through the rest of the preset at once (``finish``: the slot's CUDA graphs once warmed up) into the
+        first rows of the slot's engine input."""
         torch = self.torch
         images = [img for per in batch.images for img in per]
         if not images:
             return
-        crops = torch.empty((len(images), 3, self.recipe.size, self.recipe.size), dtype=torch.float64,
-                            device=self.device)
+        graphs = self._graphs.get(slot.index)
+        if graphs is not None and len(images) <= graphs.rows:
+            crops = graphs.crops[: len(images)]
+        else:
+            graphs = None
+            crops = torch.empty((len(images), 3, self.recipe.size, self.recipe.size), dtype=torch.float64,
+                                device=self.device)
         for (h, w), members in group_by_size([(int(i.shape[1]), int(i.shape[2])) for i in images]).items():
             for chunk in chunks(members, h * w):
                 x = images[chunk[0]][None] if len(chunk) == 1 else torch.stack([images[i] for i in chunk])
@@ -288,6 +307,10 @@ class DevicePhotos:
                     crops[chunk[0] : chunk[0] + len(chunk)] = rows
                 else:
                     crops.index_copy_(0, self._upload(torch.tensor(chunk)), rows)
+        if graphs is not None:
+            graphs.run(len(images))
+            return
+        out = self._out(slot)
         for start in range(0, len(images), self._finish_rows):
             end = min(len(images), start + self._finish_rows)
             out[start:end] = self.recipe.finish(crops[start:end]).to(torch.float32)
@@ -306,9 +329,13 @@ class DevicePhotos:
                 with io.BytesIO() as buf:
                     Image.new("RGB", (320, 240), (90, 140, 200)).save(buf, format="JPEG")
                     images = self.decoder.decode([memoryview(bytearray(buf.getvalue()))], self._stream(slot))
-            self._preprocess(Batch(images=[images]), self._out(slot))
+            self._preprocess(Batch(images=[images]), slot)
+            slot.stream.synchronize()
+            took = time.perf_counter() - t0
+            self._graphs[slot.index] = FinishGraphs(torch, self.recipe, self._out(slot),
+                                                    min(self.model.max_batch, self._finish_rows), self.device)
         slot.stream.synchronize()
-        return time.perf_counter() - t0
+        return took
 
 
 class DevicePhotoRunner(PipelineRunner):
@@ -349,6 +376,10 @@ class DevicePhotoRunner(PipelineRunner):
         log.info("model %s: %d stream slots warm; one row computes in %.3f ms, a batch of %d rows in %.3f ms; "
                  "one image through the photo stage in %.1f ms", self.model.name, len(self.slots), self.one_row_ms,
                  self.model.max_batch, self.max_batch_ms, min(took) * 1e3)
+
+    def _close_slots(self) -> None:
+        self.stage.close()
+        super()._close_slots()
 
     def _inputs_in(self, slot: StreamSlot, works: list[Work]) -> tuple[list[Work], int]:
         """(3) The stage decodes and preprocesses the batch into the engine's input; its bad rows' requests are

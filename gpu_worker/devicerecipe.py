@@ -266,7 +266,8 @@ class DeviceRecipe:
         """The batch step: ``crop``'s rows of any images, [N, 3, size, size], through the rest of the preset
         (the opennsfw JPEG round trip, channel order, normalisation) into its layout, float64."""
         if self.trip is not None:
-            x = self.trip(x)[:, [2, 1, 0]]
+            # RGB to BGR as a flip: an index list would upload itself, which no CUDA graph may capture
+            x = self.xp.flip(self.trip(x), (1,))
         x = x * self.mul + self.add
         return x if self.nchw else self.xp.moveaxis(x, 1, 3)
 

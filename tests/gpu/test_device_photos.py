@@ -202,10 +202,11 @@ def stage_slot(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any, str]]
         engine.close()
         pytest.skip(f"decoder {request.param}: {exc}")
     slot = StreamSlot(0, engine, 64)
+    stage.warm_up(slot)  # as the worker does: the finish step's graphs are captured then
     try:
         yield stage, slot, request.param
     finally:
-        slot.stream.synchronize()
+        stage.close()
         slot.close()
         engine.close()
 
