@@ -3,11 +3,14 @@ rows into [3, H, W] uint8 RGB tensors on the device, queued on the caller's stre
 decode. ``open_decoder`` takes the first that imports and decodes a test image on this device.
 
 - ``nvimgcodec``: nvImageCodec's nvJPEG, the card's hardware JPEG engines where it has them, then nvJPEG's CUDA
-  decoder for what they refuse (progressive files, 4:1:1), with libjpeg's "fancy" (triangular) chroma
+  decoder for the rows they refuse (progressive files, 4:1:1), with libjpeg's "fancy" (triangular) chroma
   upsampling, the one the CPU recipe's Pillow decodes with; EXIF orientation is not applied (the CPU recipe
   applies none). A row it cannot decode comes back alone. nvImageCodec files the CUDA decoder under the hybrid
   backend kind: nvJPEG decodes the Huffman code of a small image on the host's threads, of a large one on the
-  device; the pixels are the device's either way.
+  device; the pixels are the device's either way. The two are separate nvImageCodec decoders, the CUDA one
+  asked only for the hardware's refusals: given both backends, nvImageCodec 0.6 fixes the hardware's share of
+  every batch at its first decode (a one-row test image) and hands the rest of each batch to the CUDA decoder,
+  whose host threads then decode most photos (bench/RESULTS.md#photos-nvimagecodecs-threads-and-the-finish-step).
 - ``nvimgcodec-cuda``: the same on the CUDA decoder alone (no hardware engines), for a card without them or
   where their pixels or rate differ.
 - ``torchvision``: torchvision's ``decode_jpeg`` on CUDA (nvJPEG with its own chroma upsampling: a fifth of a
@@ -54,13 +57,16 @@ class NvImageCodecDecoder:
         # no CPU_ONLY kind: where nvJPEG is missing, libjpeg-turbo would decode on the worker's cores without a
         # word; then this decoder fails its test image and the next one is tried. GPU_ONLY holds no JPEG decoder
         # in nvImageCodec 0.6 (bench/RESULTS.md#photos-on-the-h100-with-nvimagecodec)
-        kinds = [nvimgcodec.BackendKind.HYBRID_CPU_GPU]
-        options = [":fancy_upsampling=1"]
+        upsampling = ":fancy_upsampling=1"
+        cuda = nvimgcodec.Decoder(device_id=device, backend_kinds=[nvimgcodec.BackendKind.HYBRID_CPU_GPU],
+                                  options=upsampling)
+        self._decoder, self._fallback = cuda, None
         if hardware:
-            kinds.insert(0, nvimgcodec.BackendKind.HW_GPU_ONLY)
             # sized at its first decode otherwise, which is open_decoder's one-row test image
-            options.append(f"nvjpeg_hw_decoder:preallocate_batch_size={max_batch}")
-        self._decoder = nvimgcodec.Decoder(device_id=device, backend_kinds=kinds, options=" ".join(options))
+            hw_options = f"{upsampling} nvjpeg_hw_decoder:preallocate_batch_size={max_batch}"
+            self._decoder = nvimgcodec.Decoder(device_id=device, backend_kinds=[nvimgcodec.BackendKind.HW_GPU_ONLY],
+                                               options=hw_options)
+            self._fallback = cuda
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
                                                allow_any_depth=False)
         engines = "hardware and CUDA" if hardware else "CUDA"
@@ -69,7 +75,13 @@ class NvImageCodecDecoder:
 
     def decode(self, rows: list[memoryview], stream: Any) -> list[Any]:
         codes = [self._nv.CodeStream(np.frombuffer(r, dtype=np.uint8)) for r in rows]
-        images = self._decoder.decode(codes, params=self._params, cuda_stream=stream.cuda_stream)
+
+        def run(decoder: Any) -> Callable[[list[Any]], list[Any]]:
+            return lambda cs: list(decoder.decode(cs, params=self._params, cuda_stream=stream.cuda_stream))
+
+        images = run(self._decoder)(codes)
+        if self._fallback is not None:
+            images = retry_refused(images, codes, run(self._fallback))
         return [self._tensor(im) if im is not None else "corrupt or truncated JPEG: nvImageCodec could not decode it"
                 for im in images]
 
@@ -77,6 +89,19 @@ class NvImageCodecDecoder:
         """An image (on the device, or on the host where a CPU codec took it) as [3, H, W], no copy on the device.
         Through the CUDA array interface: the tensor then holds the image object itself, released under the GIL."""
         return self._torch.as_tensor(image.cuda(), device=self._device).permute(2, 0, 1)
+
+
+def retry_refused(images: list[Any], codes: list[Any], decode: Callable[[list[Any]], list[Any]]) -> list[Any]:
+    """``images`` (``None`` where the first decoder refused its row) with those rows decoded by ``decode`` in one
+    call, in order; a row that both refuse stays ``None``."""
+    refused = [i for i, im in enumerate(images) if im is None]
+    if not refused:
+        return images
+    again = decode([codes[i] for i in refused])
+    out = list(images)
+    for i, im in zip(refused, again, strict=True):
+        out[i] = im
+    return out
 
 
 class TorchvisionDecoder:
