@@ -1,7 +1,8 @@
 """A photo recipe's ``finish`` step (gpu_worker/devicerecipe.py) for one stream slot as CUDA graphs: one graph a
 row bucket (powers of two up to the slot's rows), each reading the slot's static crop buffer and writing the
 slot's engine input, so a batch costs the host one graph launch instead of the recipe's several hundred
-kernels, which held the worker's runner thread (bench/RESULTS.md#photos-on-the-h100-with-nvimagecodec).
+kernels, which held the worker's runner thread
+(bench/RESULTS.md#photos-nvimagecodecs-threads-and-the-finish-step).
 
 A batch of ``n`` rows replays the smallest bucket that holds them: the rows past ``n`` recompute whatever the
 buffer held (finite: zeros, or an earlier batch's crops) into engine rows that the batch does not use.
