@@ -71,10 +71,20 @@ import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     print(f"{f.stem}: {json.dumps(json.loads(f.read_text()))}")
 PY
+# examples/c's client for (b'), built against the libzmq of pyzmq's wheel; where the machine has no zmq.h,
+# carry libzmq3-dev's as .gpu/zmq.h (cp /usr/include/zmq.h .gpu/)
+cclient=()
+zlib=$(compgen -G "/tmp/site/pyzmq.libs/libzmq-*.so*" | head -n 1)
+zinc=/usr/include; [ -f $zinc/zmq.h ] || zinc=.gpu
+if [ -n "$zlib" ] && [ -f $zinc/zmq.h ] && command -v cc > /dev/null; then
+  if cc -O2 -std=c11 -I"$zinc" -o /tmp/shmb_client examples/c/shmb_client.c "$zlib" \
+      -Wl,-rpath,"$(dirname "$zlib")"; then cclient=(--c-client /tmp/shmb_client); fi
+fi
+echo "C client for (b'): ${cclient[*]:-none}"
 # the acceptance benches (a), (b), (c) on the GPU worker, while time is left (BENCH_S, default 300 s); more
 # options in PHOTOS_ARGS (the tests' limit is TESTS_S, default 520 s), e.g. "--sizes 640x480 --client-spin-us 0"
 timeout "${BENCH_S:-300}" python3 -m shmbroker.bench.photos --config bench/gpu_photos.toml --quick \
-  --out "$out/photos.json" ${PHOTOS_ARGS:-} > "$out/photos.md" 2> "$out/photos.log"
+  --out "$out/photos.json" ${cclient[@]+"${cclient[@]}"} ${PHOTOS_ARGS:-} > "$out/photos.md" 2> "$out/photos.log"
 echo "bench.photos exit $?"
 cat "$out/photos.md"; tail -n 5 "$out/photos.log"
 # PROFILE=1 (a py-spy wheel in .whl): then one more run at 640x480 with 6 s windows, py-spy attached for a few

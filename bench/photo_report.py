@@ -3,8 +3,9 @@
 Per photo size: ``b_over_a`` is (b) images/s over (a)'s, the median of the interleaved rounds' ratios
 (bench/paired.py); ``b_over_c`` is (b) over (c); ``cpu_a_over_b`` (information) is (a)'s CPU per photo over (b)'s,
 the worker's and the clients' together: what (b)/(a) is on a machine whose cores they saturate, and far less
-moved by other load than the photos/s are. The issue's targets: on a CPU worker, (b) >= 0.9 x (a); on a GPU
-worker also (b) >= 3 x (c) and at most 30 us of client CPU per image in (b).
+moved by other load than the photos/s are; ``client_cpu_us_per_image_c_client`` (information, where (b') ran) is
+the client CPU per photo of examples/c's client under the same load. The issue's targets: on a CPU worker,
+(b) >= 0.9 x (a); on a GPU worker also (b) >= 3 x (c) and at most 30 us of client CPU per image in (b).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def ratios(size: Figures) -> Figures:
     quotient), b_over_c, and (b)'s client CPU per image."""
     a, b, c = (size.get(k) for k in ("inprocess", "broker", "pillow"))
     out: Figures = {"b_over_a": None, "b_over_c": None, "client_cpu_us_per_image_b": None, "cpu_a_over_b": None}
+    cc = size.get("cclients")
+    if isinstance(cc, dict) and isinstance(cc.get("client_cpu_us_per_image"), int | float):
+        out["client_cpu_us_per_image_c_client"] = float(cc["client_cpu_us_per_image"])
     bv, av, cv = _per_s(b), _per_s(a), _per_s(c)
     if bv is not None and isinstance(b, dict):
         paired = b.get("paired", {})
@@ -69,7 +73,7 @@ def _num(value: Any, fmt: str = "{:,.1f}") -> str:
 
 
 ROWS = (("inprocess", "(a) in-process decode+engine"), ("broker", "(b) broker, encoded photos"),
-        ("pillow", "(c) broker, Pillow in the clients"))
+        ("cclients", "(b') broker, the C client"), ("pillow", "(c) broker, Pillow in the clients"))
 
 
 def _row(label: str, f: Any) -> str:
@@ -114,13 +118,16 @@ def table(doc: Figures) -> str:
         ps = doc.get("photoset", {}).get(name, {})
         lines += [f"{name} JPEG, {ps.get('images', '?')} photos, mean {_num(ps.get('mean_bytes'), '{:,.0f}')} bytes",
                   head]
-        lines += [_row(label, size.get(key)) for key, label in ROWS]
+        lines += [_row(label, size.get(key)) for key, label in ROWS if key != "cclients" or key in size]
         for tname, t in doc.get("targets", {}).get(name, {}).items():
             verdict = "n/a" if t["value"] is None else ("PASS" if t["pass"] else "FAIL")
             lines.append(f"  {tname:<36} {_num(t['value'], '{:.3f}'):>9} {t['op']} {t['target']:g}  {verdict}")
         r = doc.get("ratios", {}).get(name, {})
         if not gpu and r.get("b_over_c") is not None:
             lines.append(f"  {'b_over_c':<36} {_num(r['b_over_c'], '{:.3f}'):>9} (info on a CPU worker)")
+        if r.get("client_cpu_us_per_image_c_client") is not None:
+            lines.append(f"  {'client_cpu_us_per_image_c_client':<36} "
+                         f"{_num(r['client_cpu_us_per_image_c_client'], '{:.3f}'):>9} (info: (b') with C clients)")
         if r.get("cpu_a_over_b") is not None:
             lines.append(f"  {'cpu_a_over_b':<36} {_num(r['cpu_a_over_b'], '{:.3f}'):>9} (info: (a)'s CPU per photo "
                          "over (b)'s, worker and clients)")

@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from shmbroker.bench import gpu_load, paired, photo_load, photo_report, photoset, report
+from shmbroker.bench import gpu_load, paired, photo_cload, photo_load, photo_report, photoset, report
 from shmbroker.bench.broker_proc import BrokerProcess
 from shmbroker.bench.common import BenchError, Figures, Progress
 from shmbroker.bench.photo_inprocess import Limit
@@ -50,6 +50,7 @@ class Settings:
     in_flight: int  # per client process
     sizes: tuple[str, ...]
     client_spin_us: int = 1000  # the clients' Client(spin_us=): the library's default
+    c_client: str = ""  # examples/c's binary: (b') with it, where given
     photo_model: str = PHOTO_MODEL
     tensor_model: str = TENSOR_MODEL
 
@@ -67,8 +68,9 @@ class Settings:
         in_flight = args.in_flight if args.in_flight is not None else (8 if gpu else 4)
         if args.client_spin_us < 0:
             raise BenchError(f"--client-spin-us must be 0 or more, got {args.client_spin_us}")
+        c_client = photo_cload.check_binary(args.c_client) if getattr(args, "c_client", None) else ""
         return cls(quick, duration, 0.5 if quick else 1.0, duration / 2 if quick else duration, rounds, processes,
-                   in_flight, tuple(photoset.size_name(s) for s in sizes), args.client_spin_us)
+                   in_flight, tuple(photoset.size_name(s) for s in sizes), args.client_spin_us, c_client)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -89,6 +91,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="requests each client keeps in flight (default 8 on a GPU worker, 4 on a CPU one)")
     ap.add_argument("--client-spin-us", type=int, default=1000, metavar="US",
                     help="each client's spin_us (default 1000, the client's own; 0: wait in the kernel at once)")
+    ap.add_argument("--c-client", default=None, metavar="BINARY",
+                    help="examples/c's shmb_client (make -C examples/c OUT=DIR): adds (b'), the same load from C "
+                         "client processes")
 
 
 def _device(cfg: config.Config) -> int | None:
@@ -153,6 +158,9 @@ class PhotoBench:
             return
         paths = [str(p) for p in photos.paths]
         self._rounds(name, m, limit, images, broker, paths)
+        if s.c_client:
+            self.phase(m, "cclients", f"{name}: (b') broker, {s.processes} C client processes x {s.in_flight} slots",
+                       lambda: self.c_clients(broker, paths), _summary)
         if s.tensor_model in self.cfg.models:
             preset = self.cfg.models[s.photo_model].preprocess
             self.phase(m, "pillow", f"{name}: (c) broker, {s.processes} procs x {s.in_flight} threads decoding with "
@@ -243,6 +251,18 @@ class PhotoBench:
         out = gpu_load.group(self.progress, target, self._specs(broker, model, paths, preset), sampler, s.warmup_s,
                              s.duration_s)
         return self._figures(out, model, sampler)
+
+    def c_clients(self, broker: BrokerProcess, paths: list[str]) -> Figures:
+        """(b') One window of examples/c's client processes on the photo model (bench/photo_cload.py)."""
+        s = self.s
+        sampler = gpu_load.Sampler(self.device, broker.runtime_dir)
+        sampler.start()
+        try:
+            out = photo_cload.run(s.c_client, broker.runtime_dir, s.photo_model, paths, s.processes, s.in_flight,
+                                  s.duration_s)
+        finally:
+            sampler.stop()
+        return self._figures(out, s.photo_model, sampler)
 
     def _figures(self, out: Figures, model: str, sampler: gpu_load.Sampler) -> Figures:
         """A window's figures per photo: the clients' CPU, where the decoder ran, and the worker's CPU time and

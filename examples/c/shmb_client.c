@@ -3,6 +3,8 @@
  *   shmb_client MODEL INPUT.f32            prints one line per row: the model's first output, "%.9g" each
  *   shmb_client --inline MODEL INPUT.f32   the same through `shmbroker inline`: tensors in frames, no shm
  *   shmb_client [--inline] MODEL A.jpg B.png ...   a model of images (input kind "image"): one row per file
+ *   shmb_client --load SECONDS SLOTS MODEL A.jpg ...   every slot of a session busy with one image a request;
+ *                                                    one JSON line: requests, per_s, its CPU a request, p50/p99
  *
  * INPUT.f32 is raw little-endian float32, C order, whole rows of the model's first input (nsfw: N x 224 x
  * 224 x 3). Image files go as they are, in one request: the §4.6 row table and the files' bytes in the slot, or
@@ -25,6 +27,7 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -414,49 +417,232 @@ static int inline_main(const char *model, int nfiles, char **files) {
     return 0;
 }
 
+/* One session on the broker, linked to the worker of MODEL: HELLO -> SETUP -> the ring -> ATTACHED -> READY ->
+   PULL and PUSH linked (§3.1) */
+typedef struct {
+    void *ctx, *ctl, *push, *pull;
+    js_doc setup, ready;
+    session_t s;
+    uint32_t model_id;
+    int64_t dims[8];
+    uint8_t ndim;
+    const char *in_name;
+    int image;
+    uint64_t max_items;
+} conn_t;
+
+static void open_session(conn_t *c, const char *model, int slots, int max_items) {
+    char dir[4096], addr[4200], json[256];
+    runtime_dir(dir, sizeof dir);
+    snprintf(addr, sizeof addr, "ipc://%s/broker.sock", dir);
+    memset(c, 0, sizeof *c);
+    c->ctx = zmq_ctx_new();
+    c->ctl = zmq_socket(c->ctx, ZMQ_DEALER);
+    int linger = 500;
+    zmq_setsockopt(c->ctl, ZMQ_LINGER, &linger, sizeof linger);
+    if (zmq_connect(c->ctl, addr) != 0) die(1, "cannot connect to broker.sock");
+    int n = snprintf(json, sizeof json, "{\"protocol\":2,\"pid\":%d,\"slots\":%d,\"max_items\":%d,\"name\":\"c-example\"}",
+                     (int)getpid(), slots, max_items);
+    send2(c->ctl, HELLO, json, (size_t)n);
+    zmq_msg_t body;
+    int kind = recv2(c->ctl, &body);
+    parse_or_fail(&c->setup, &body, kind, SETUP);
+    zmq_msg_close(&body);
+    map_segment(&c->s, &c->setup, dir);
+    c->model_id = find_model(&c->setup, model, c->dims, &c->ndim, &c->in_name, &c->image);
+    c->max_items = (uint64_t)js_int(&c->setup, js_get(&c->setup, 0, "max_items"), 0);
+    n = snprintf(json, sizeof json, "{\"session_id\":%u}", c->s.session_id);
+    send2(c->ctl, ATTACHED, json, (size_t)n);
+    kind = recv2(c->ctl, &body);
+    parse_or_fail(&c->ready, &body, kind, READY);
+    zmq_msg_close(&body);
+    int workers = js_get(&c->ready, 0, "workers"), w = -1;
+    for (int k = 0; js_at(&c->ready, workers, k) >= 0 && w < 0; k++) {
+        int models = js_get(&c->ready, js_at(&c->ready, workers, k), "models");
+        for (int j = 0; js_at(&c->ready, models, j) >= 0; j++)
+            if (strcmp(js_str(&c->ready, js_at(&c->ready, models, j)), model) == 0) w = js_at(&c->ready, workers, k);
+    }
+    if (w < 0) die(1, "no worker in READY serves the model");
+    link_worker(c->ctx, js_str(&c->ready, js_get(&c->ready, w, "endpoint")),
+                js_str(&c->ready, js_get(&c->ready, w, "reply_endpoint")), &c->push, &c->pull);
+}
+
+/* BYE, then the sockets, the mapping and the descriptor (never shm_unlink: the broker does) */
+static void close_session(conn_t *c) {
+    char json[64];
+    int n = snprintf(json, sizeof json, "{\"session_id\":%u}", c->s.session_id);
+    send2(c->ctl, BYE, json, (size_t)n);
+    zmq_close(c->push);
+    zmq_close(c->pull);
+    zmq_close(c->ctl); /* linger 500 ms lets BYE out */
+    zmq_ctx_term(c->ctx);
+    munmap(c->s.base, c->s.bytes);
+    close(c->s.fd);
+    js_free(&c->setup);
+    js_free(&c->ready);
+}
+
+/* §4.3, §4.6: one image as a slot's input (the row table, then its bytes), then generation, request_id, status,
+   and the state word last (release); the request's record and descriptor for a SUBMIT */
+static void publish_image(const conn_t *c, uint32_t slot, uint32_t gen, uint64_t rid, const void *data, size_t len,
+                          request_rec_t *rq, tensor_desc_t *td, uint32_t first_tensor) {
+    uint8_t *h = c->s.base + HEADER_BYTES + (uint64_t)slot * c->s.stride;
+    uint64_t row[2] = {16, len};
+    memcpy(h + SLOT_HEADER_BYTES, row, 16);
+    memcpy(h + SLOT_HEADER_BYTES + 16, data, len);
+    uint32_t zero = 0;
+    memcpy(h + 4, &gen, 4);
+    memcpy(h + 8, &rid, 8);
+    memcpy(h + 16, &zero, 4);
+    __atomic_store_n((uint32_t *)h, SUBMITTED, __ATOMIC_RELEASE);
+    *rq = (request_rec_t){rid, slot, gen, c->model_id, first_tensor, 1, 0};
+    *td = (tensor_desc_t){0, 5, c->ndim, 0, 0, 16 + len, {1}};
+}
+
+/* §5.1: n requests, one descriptor each, in one SUBMIT */
+static void submit(const conn_t *c, uint8_t *msg, const request_rec_t *rq, const tensor_desc_t *td, uint32_t n) {
+    submit_hdr_t sh = {c->s.session_id, n, n, 0, c->s.token};
+    memcpy(msg, &sh, 24);
+    memcpy(msg + 24, rq, 32 * (size_t)n);
+    memcpy(msg + 24 + 32 * (size_t)n, td, 88 * (size_t)n);
+    send2(c->push, SUBMIT, msg, 24 + 120 * (size_t)n);
+}
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static double cpu_s(void) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) + (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+}
+
+static int by_value(const void *a, const void *b) {
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* --load: every slot of one session busy with one image a request (the files in turn), each DONE's results
+   published again and sent back in one SUBMIT, for a warm-up second, then SECONDS counted; one JSON line */
+static int load_main(double seconds, int slots, const char *model, int nfiles, char **files) {
+    if (!(seconds > 0) || slots < 1) die(1, "--load takes SECONDS > 0 and SLOTS >= 1");
+    images_t im = read_images(nfiles, files);
+    conn_t c;
+    open_session(&c, model, slots, 1);
+    if (!c.image) die(1, "--load sends encoded images: the model's first input is not of kind \"image\"");
+    for (int i = 0; i < im.n; i++)
+        if (16 + im.len[i] > c.s.in_cap) die(1, "an image does not fit one slot (the model's max_image_bytes)");
+    uint32_t n = c.s.n_slots, k = 0, outstanding = 0, *gen = calloc(n, 4), *lat = NULL;
+    uint64_t rid = 0, counted = 0, errors = 0, cap = 0, *slot_rid = calloc(n, 8);
+    double *sent = calloc(n, sizeof(double));
+    request_rec_t *rq = calloc(n, sizeof *rq);
+    tensor_desc_t *td = calloc(n, sizeof *td);
+    uint8_t *msg = malloc(24 + 120 * (size_t)n);
+    if (!gen || !slot_rid || !sent || !rq || !td || !msg) die(1, "out of memory");
+    int next = 0;
+    for (uint32_t slot = 0; slot < n; slot++, next = (next + 1) % im.n) {
+        sent[slot] = now_s();
+        slot_rid[slot] = ++rid;
+        publish_image(&c, slot, ++gen[slot], rid, im.data[next], im.len[next], &rq[k], &td[k], k);
+        k++;
+    }
+    submit(&c, msg, rq, td, k);
+    outstanding = n;
+    double begin = now_s() + 1.0, end = begin + seconds, t0 = 0, t1 = 0, cpu0 = 0, cpu1 = 0;
+    while (outstanding > 0) {
+        zmq_msg_t body;
+        int kind = recv2(c.pull, &body);
+        const uint8_t *b = zmq_msg_data(&body);
+        size_t len = zmq_msg_size(&body);
+        done_hdr_t h;
+        k = 0;
+        if (kind == DONE && len >= sizeof h) {
+            memcpy(&h, b, sizeof h);
+            uint64_t text_at = 16 + 40 * (uint64_t)h.n_results + 88 * (uint64_t)h.n_tensors;
+            if (text_at + h.text_bytes != len) die(1, "DONE: its length disagrees with its header");
+            double t = now_s();
+            if (t >= begin && t0 == 0) t0 = t, cpu0 = cpu_s();
+            if (t >= end && t1 == 0) t1 = t, cpu1 = cpu_s();
+            for (uint32_t i = 0; i < h.n_results; i++) {
+                result_rec_t r;
+                memcpy(&r, b + 16 + 40 * (uint64_t)i, sizeof r);
+                if (r.slot >= n || r.request_id != slot_rid[r.slot] || r.generation != gen[r.slot]) continue;
+                if (r.msg_offset > h.text_bytes || r.msg_len > h.text_bytes - r.msg_offset)
+                    die(1, "DONE: a result's text does not fit the message");
+                if (r.status != 0 && errors++ == 0)
+                    fprintf(stderr, "shmb_client: a request failed, status %u: %.*s\n", r.status, (int)r.msg_len,
+                            (const char *)b + text_at + r.msg_offset);
+                if (t0 != 0 && t1 == 0) {
+                    if (counted == cap) {
+                        cap = cap ? 2 * cap : 65536;
+                        lat = realloc(lat, cap * 4);
+                        if (!lat) die(1, "out of memory");
+                    }
+                    lat[counted++] = (uint32_t)((t - sent[r.slot]) * 1e6);
+                }
+                if (t1 != 0) {
+                    outstanding--;
+                    continue;
+                }
+                sent[r.slot] = t;
+                slot_rid[r.slot] = ++rid;
+                publish_image(&c, r.slot, ++gen[r.slot], rid, im.data[next], im.len[next], &rq[k], &td[k], k);
+                next = (next + 1) % im.n;
+                k++;
+            }
+        }
+        zmq_msg_close(&body);
+        if (k > 0) submit(&c, msg, rq, td, k);
+    }
+    qsort(lat, counted, 4, by_value);
+    double window = t1 - t0;
+    printf("{\"model\":\"%s\",\"slots\":%u,\"images\":%d,\"requests\":%" PRIu64 ",\"errors\":%" PRIu64
+           ",\"seconds\":%.3f,\"per_s\":%.1f,\"cpu_us_per_request\":%.2f,\"p50_us\":%u,\"p99_us\":%u}\n",
+           model, n, im.n, counted, errors, window, counted / window, counted ? (cpu1 - cpu0) * 1e6 / (double)counted : 0.0,
+           counted ? lat[counted / 2] : 0, counted ? lat[counted * 99 / 100] : 0);
+    close_session(&c);
+    free(gen);
+    free(slot_rid);
+    free(sent);
+    free(rq);
+    free(td);
+    free(msg);
+    free(lat);
+    free_images(&im);
+    return errors ? 3 : 0;
+}
+
 int main(int argc, char **argv) {
-    const char *usage = "usage: shmb_client [--inline] MODEL INPUT.f32 | shmb_client [--inline] MODEL IMAGE...";
+    const char *usage = "usage: shmb_client [--inline] MODEL INPUT.f32 | shmb_client [--inline] MODEL IMAGE... | "
+                        "shmb_client --load SECONDS SLOTS MODEL IMAGE...";
+    if (argc > 1 && strcmp(argv[1], "--load") == 0) {
+        if (argc < 6) die(1, usage);
+        return load_main(atof(argv[2]), atoi(argv[3]), argv[4], argc - 5, argv + 5);
+    }
     int inline_mode = argc > 1 && strcmp(argv[1], "--inline") == 0;
     if (argc < 3 + inline_mode) die(1, usage);
     if (inline_mode) return inline_main(argv[2], argc - 3, argv + 3);
     size_t in_len = 0;
     void *x = NULL;
     images_t im = {0, NULL, NULL};
-    char dir[4096], addr[4200], json[256];
-    runtime_dir(dir, sizeof dir);
-    snprintf(addr, sizeof addr, "ipc://%s/broker.sock", dir);
-
-    void *ctx = zmq_ctx_new();
-    void *ctl = zmq_socket(ctx, ZMQ_DEALER);
-    int linger = 500;
-    zmq_setsockopt(ctl, ZMQ_LINGER, &linger, sizeof linger);
-    if (zmq_connect(ctl, addr) != 0) die(1, "cannot connect to broker.sock");
 
     /* HELLO: the item size is not known before SETUP, so ask for a generous max_items (the broker clamps it
      * to the largest max_batch) and check the rows against the grant below */
-    int n = snprintf(json, sizeof json, "{\"protocol\":2,\"pid\":%d,\"slots\":1,\"max_items\":1024,\"name\":\"c-example\"}",
-                     (int)getpid());
-    send2(ctl, HELLO, json, (size_t)n);
-    zmq_msg_t body;
-    js_doc setup, ready;
-    int kind = recv2(ctl, &body);
-    parse_or_fail(&setup, &body, kind, SETUP);
-    zmq_msg_close(&body);
-    session_t s = {0};
-    map_segment(&s, &setup, dir);
-    int64_t dims[8] = {0};
-    uint8_t ndim = 0;
-    const char *in_name;
-    int image = 0;
-    uint32_t model_id = find_model(&setup, argv[1], dims, &ndim, &in_name, &image);
+    conn_t c;
+    open_session(&c, argv[1], 1, 1024);
+    session_t s = c.s;
     uint8_t dtype = 1; /* float32; an input of images is uint8 (§4.6) */
-    if (image) {
+    int64_t *dims = c.dims;
+    if (c.image) {
         /* §4.6: the row table (offset, length: u64 each, from the input's start), then the images in order.
            Their lengths are the worker's to check against max_bytes; the slot must only hold them. */
         im = read_images(argc - 2, argv + 2);
         in_len = 16 * (uint64_t)im.n;
         for (int i = 0; i < im.n; i++) in_len += im.len[i];
-        if ((uint64_t)im.n > (uint64_t)js_int(&setup, js_get(&setup, 0, "max_items"), 0) || in_len > s.in_cap)
+        if ((uint64_t)im.n > c.max_items || in_len > s.in_cap)
             die(1, "the images do not fit one slot: more rows than this session's max_items, or past in_capacity");
         x = malloc(in_len);
         if (!x) die(1, "out of memory");
@@ -473,28 +659,11 @@ int main(int argc, char **argv) {
         if (argc != 3) die(1, usage);
         x = read_input(argv[2], &in_len);
         uint64_t item = 4;
-        for (int i = 1; i < ndim; i++) item *= (uint64_t)dims[i];
+        for (int i = 1; i < c.ndim; i++) item *= (uint64_t)dims[i];
         if (in_len == 0 || in_len % item) die(1, "the input file is not whole rows of the model's input");
         dims[0] = (int64_t)(in_len / item);
-        if ((uint64_t)dims[0] > (uint64_t)js_int(&setup, js_get(&setup, 0, "max_items"), 0) || in_len > s.in_cap)
-            die(1, "more rows than this session's max_items");
+        if ((uint64_t)dims[0] > c.max_items || in_len > s.in_cap) die(1, "more rows than this session's max_items");
     }
-
-    n = snprintf(json, sizeof json, "{\"session_id\":%u}", s.session_id);
-    send2(ctl, ATTACHED, json, (size_t)n);
-    kind = recv2(ctl, &body);
-    parse_or_fail(&ready, &body, kind, READY);
-    zmq_msg_close(&body);
-    int workers = js_get(&ready, 0, "workers"), w = -1;
-    for (int k = 0; js_at(&ready, workers, k) >= 0 && w < 0; k++) {
-        int models = js_get(&ready, js_at(&ready, workers, k), "models");
-        for (int j = 0; js_at(&ready, models, j) >= 0; j++)
-            if (strcmp(js_str(&ready, js_at(&ready, models, j)), argv[1]) == 0) w = js_at(&ready, workers, k);
-    }
-    if (w < 0) die(1, "no worker in READY serves the model");
-    void *push, *pull;
-    link_worker(ctx, js_str(&ready, js_get(&ready, w, "endpoint")), js_str(&ready, js_get(&ready, w, "reply_endpoint")),
-                &push, &pull);
 
     /* §4.3: inputs, then generation, request_id, status, and the state word last (release) */
     uint8_t *slot = s.base + HEADER_BYTES;
@@ -509,30 +678,22 @@ int main(int argc, char **argv) {
     /* §5.1: one request, one tensor */
     uint8_t msg[24 + 32 + 88];
     submit_hdr_t sh = {s.session_id, 1, 1, 0, s.token};
-    request_rec_t rq = {rid, 0, gen, model_id, 0, 1, 0};
-    tensor_desc_t td = {0, dtype, ndim, 0, 0, in_len, {0}};
+    request_rec_t rq = {rid, 0, gen, c.model_id, 0, 1, 0};
+    tensor_desc_t td = {0, dtype, c.ndim, 0, 0, in_len, {0}};
     memcpy(td.dims, dims, sizeof td.dims);
     memcpy(msg, &sh, 24);
     memcpy(msg + 24, &rq, 32);
     memcpy(msg + 56, &td, 88);
-    send2(push, SUBMIT, msg, sizeof msg);
+    send2(c.push, SUBMIT, msg, sizeof msg);
 
     for (;;) {
-        kind = recv2(pull, &body);
+        zmq_msg_t body;
+        int kind = recv2(c.pull, &body);
         int ours = kind == DONE && handle_done(&s, &body);
         zmq_msg_close(&body);
         if (ours) break;
     }
-    n = snprintf(json, sizeof json, "{\"session_id\":%u}", s.session_id);
-    send2(ctl, BYE, json, (size_t)n);
-    zmq_close(push);
-    zmq_close(pull);
-    zmq_close(ctl); /* linger 500 ms lets BYE out */
-    zmq_ctx_term(ctx);
-    munmap(s.base, s.bytes);
-    close(s.fd); /* never shm_unlink: the broker does */
-    js_free(&setup);
-    js_free(&ready);
+    close_session(&c);
     free(x);
     free_images(&im);
     return 0;
