@@ -69,6 +69,12 @@ class NvImageCodecDecoder:
             self._fallback = cuda
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
                                                allow_any_depth=False)
+        if self._fallback is not None:
+            # the CUDA decoder sets itself up at its first call: now, not at the first photo the hardware refuses
+            stream = torch.cuda.current_stream(device)
+            self._fallback.decode([nvimgcodec.CodeStream(np.frombuffer(probe_jpeg(), dtype=np.uint8))],
+                                  params=self._params, cuda_stream=stream.cuda_stream)
+            stream.synchronize()
         engines = "hardware and CUDA" if hardware else "CUDA"
         self.backend = (f"nvImageCodec {getattr(nvimgcodec, '__version__', '?')} (nvJPEG {engines}, fancy "
                         f"upsampling) on cuda:{device} ({torch.cuda.get_device_name(device)})")
