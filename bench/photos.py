@@ -262,6 +262,7 @@ class PhotoBench:
                                   s.duration_s)
         finally:
             sampler.stop()
+        out["gpu_busy_pct"], out["gpu_busy_error"] = sampler.busy_pct(*out["window_monotonic"]), sampler.error
         return self._figures(out, s.photo_model, sampler)
 
     def _figures(self, out: Figures, model: str, sampler: gpu_load.Sampler) -> Figures:

@@ -33,7 +33,6 @@ class FinishGraphs:
     def __init__(self, torch: Any, recipe: Any, out: Any, rows: int, device: Any) -> None:
         """``out``: the slot's engine input, [max_batch, ...] float32 on ``device``; ``rows`` at most its
         rows. Captures every bucket now (the caller's current stream and device are the slot's)."""
-        self.torch = torch
         self.rows = rows
         self.crops = torch.zeros((rows, 3, recipe.size, recipe.size), dtype=torch.float64, device=device)
         self._graphs: dict[int, Any] = {}
