@@ -36,6 +36,46 @@ from shmbroker.client import Client, ShmBrokerError
 from shmbroker.gpu_worker.histogram import mean, quantile
 
 
+class BurstGaps:
+    """How a client's answers arrive: answers closer than ``BURST_NS`` to the one before are one burst (one
+    wake-up of its receiving thread); the gaps between bursts, counted by how a spin of the client's
+    ``spin_us`` (1 ms by default) would meet them: within 1 ms (a spin catches the next burst), within 4 ms
+    (the IO thread's reach, broker.common.spin: it spins then) or later."""
+
+    BURST_NS = 50_000
+
+    def __init__(self) -> None:
+        self.last = 0
+        self.answers = self.bursts = self.within_1ms = self.within_4ms = 0
+
+    def add(self, t: int) -> None:
+        self.answers += 1
+        gap = t - self.last
+        self.last = t
+        if gap < self.BURST_NS:
+            return
+        self.bursts += 1
+        if gap < 1_000_000:
+            self.within_1ms += 1
+        elif gap < 4_000_000:
+            self.within_4ms += 1
+
+    def counts(self) -> dict[str, int]:
+        return {"answers": self.answers, "bursts": self.bursts, "within_1ms": self.within_1ms,
+                "within_4ms": self.within_4ms}
+
+    @staticmethod
+    def merge(counts: list[dict[str, int]]) -> Figures | None:
+        """The processes' counts as answers a burst and each gap class's share of the gaps."""
+        total = {k: sum(c[k] for c in counts) for k in ("answers", "bursts", "within_1ms", "within_4ms")}
+        if not total["bursts"]:
+            return None
+        gaps = total["bursts"]
+        return {"answers_per_burst": round(total["answers"] / gaps, 2),
+                "gaps_within_1ms_pct": round(100 * total["within_1ms"] / gaps, 1),
+                "gaps_1_to_4ms_pct": round(100 * total["within_4ms"] / gaps, 1)}
+
+
 class Chains(ChainSet):
     """``in_flight`` chains; chain i's request was submitted at ``sent[i]``; completions in the window count."""
 
@@ -47,6 +87,7 @@ class Chains(ChainSet):
         self.samples: list[int] = []
         self.errors: collections.Counter[str] = collections.Counter()
         self.answered = 0  # every answer, in the window or not: the client's CPU time is divided by it
+        self.bursts = BurstGaps()
 
     def inputs(self) -> Any:
         """The next request's inputs (the same array each time; bench/photo_load.py goes through its photos)."""
@@ -65,6 +106,7 @@ class Chains(ChainSet):
         t = time.perf_counter_ns()
         now = t / 1e9
         self.answered += 1  # on the client's one receiving thread
+        self.bursts.add(t)
         if self.t_count <= now < self.t_end:
             with self.lock:
                 if exc is None:
@@ -208,7 +250,7 @@ def _window(chains: Chains, spec: dict[str, Any]) -> Figures:
     return {"completed": len(samples), "errors": sum(errors.values()), "error_codes": errors,
             "samples_ns": samples, "window_s": spec["duration_s"], "lost": 0 if drained else chains.live,
             "window_monotonic": [w0, w0 + spec["duration_s"]], "cpu_s": cpu_s, "preempted": preempted,
-            "answered": chains.answered}
+            "answered": chains.answered, "bursts": chains.bursts.counts()}
 
 
 def group(progress: Progress, target: Target, specs: list[dict[str, Any]], sampler: Sampler,
@@ -235,6 +277,7 @@ def merge(results: list[Figures], duration_s: float, sampler: Sampler) -> Figure
             "gpu_busy_pct": sampler.busy_pct(t0, t1), "gpu_busy_error": sampler.error,
             "client_cpu_us_per_request": _per_answer(results, "cpu_s", 1e6),
             "client_preempted_per_1k_requests": _per_answer(results, "preempted", 1e3),
+            "answer_bursts": BurstGaps.merge([r["bursts"] for r in results if "bursts" in r]),
             "window_monotonic": [t0, t1]}
 
 

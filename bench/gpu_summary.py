@@ -56,6 +56,10 @@ def _cpu_line(c: dict[str, Any]) -> list[str]:
         parts.append(f"{outside:.2f} ms a request outside the worker's stages ({outside * rate / 1e3:.0f} requests)")
     if c.get("client_preempted_per_1k_requests") is not None:
         parts.append(f"clients preempted {c['client_preempted_per_1k_requests']} per 1000 requests")
+    bursts = c.get("answer_bursts") or {}
+    if bursts:
+        parts.append(f"answers come {bursts['answers_per_burst']} a burst, {bursts['gaps_within_1ms_pct']} % of "
+                     f"the gaps within 1 ms, {bursts['gaps_1_to_4ms_pct']} % within 1-4 ms")
     host = c.get("host_cpu") or {}
     if host:
         parts.append(f"machine {host.get('busy_pct')} % busy, {host.get('steal_pct')} % stolen")

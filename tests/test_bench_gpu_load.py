@@ -70,3 +70,15 @@ def test_a_client_process_counts_its_windows_answers_with_each_api(broker: Runni
     assert w1 - w0 == spec["duration_s"]
     assert all(0 < ns < 2e9 for ns in out["samples_ns"])  # each within the model's 2 s timeout
 
+
+
+def test_answer_bursts_count_wake_ups_and_their_gaps() -> None:
+    b = gpu_load.BurstGaps()
+    t = 10_000_000
+    for gap_us in (0, 10, 10, 500, 10, 2500, 6000, 700):  # 0 and 10: the same burst
+        t += gap_us * 1000
+        b.add(t)
+    assert b.counts() == {"answers": 8, "bursts": 5, "within_1ms": 2, "within_4ms": 1}
+    merged = gpu_load.BurstGaps.merge([b.counts(), {"answers": 2, "bursts": 1, "within_1ms": 0, "within_4ms": 1}])
+    assert merged == {"answers_per_burst": 1.67, "gaps_within_1ms_pct": 33.3, "gaps_1_to_4ms_pct": 33.3}
+    assert gpu_load.BurstGaps.merge([{"answers": 0, "bursts": 0, "within_1ms": 0, "within_4ms": 0}]) is None
