@@ -114,6 +114,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--in-flight", type=int, default=None,
                     help="--gpu: requests each client keeps in flight (default 8); --photos: 8 on a GPU worker, 4 on "
                          "a CPU one")
+    ap.add_argument("--c-client", default=None, metavar="BINARY",
+                    help="--photos: examples/c's shmb_client (make -C examples/c OUT=DIR): adds (b'), the same load "
+                         "from C client processes")
     ap.add_argument("--log-dir", default=None, metavar="DIR", help="--gpu: keep the broker's log there")
     ap.add_argument("--engines", default="", metavar="NAMES",
                     help="--gpu: torch,inductor,null: each engine's (a) and (c) side by side (default: the config's)")

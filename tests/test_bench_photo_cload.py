@@ -3,12 +3,13 @@ client processes against a live broker's photo model."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from shmbroker.bench import photo_cload
+from shmbroker.bench import photo_cload, photos, run
 from shmbroker.bench.common import BenchError
 from tests.conftest import TEST_MODELS, RunningBroker, photo_model, start_broker
 from tests.frontends import C_EXAMPLE, build_c_client, have_libzmq
@@ -67,3 +68,14 @@ def test_a_failing_client_is_a_bench_error_with_its_words(live: tuple[RunningBro
     b, binary = live
     with pytest.raises(BenchError, match='not of kind "image"'):
         photo_cload.run(str(binary), b.runtime_dir, "nsfw", [PHOTO], processes=1, slots=1, duration_s=0.5)
+
+
+def test_shmbroker_bench_photos_takes_the_c_client(tmp_path: Path) -> None:
+    ap = argparse.ArgumentParser()
+    run.add_arguments(ap)
+    binary = tmp_path / "shmb_client"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    assert photos.Settings.of(ap.parse_args(["--photos", "--c-client", str(binary)]), gpu=False).c_client == str(binary)
+    with pytest.raises(BenchError, match="--c-client"):
+        photos.Settings.of(ap.parse_args(["--photos", "--c-client", str(tmp_path / "nope")]), gpu=False)
