@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-CpuSample = dict[str, float]  # thread name -> user + system CPU seconds
+CpuSample = dict[str, float]  # thread name -> user + system CPU seconds (or another per-thread figure)
 
 
 def threads(pid: int) -> CpuSample:
@@ -66,9 +66,9 @@ def _per_thread(pid: int, read: Callable[[int], float]) -> CpuSample:
     return out
 
 
-def per_request_us(before: CpuSample, after: CpuSample, requests: int, scale: float = 1e6) -> dict[str, float]:
-    """CPU microseconds per request of each thread name between two samples, the busiest first, with a total
-    (``scale``: another unit, such as 1e3 for a count per thousand requests)."""
+def per_request(before: CpuSample, after: CpuSample, requests: int, scale: float = 1e6) -> dict[str, float]:
+    """Each thread name's figure per request between two samples, times ``scale`` (1e6: CPU seconds to
+    microseconds; 1e3: a count per thousand requests), the largest first, with a total."""
     if requests <= 0:
         return {}
     diff = {k: (after[k] - before.get(k, 0.0)) * scale / requests for k in after}

@@ -34,6 +34,7 @@ from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.ask import ask_broker
 from shmbroker.client import Client, ShmBrokerError
 from shmbroker.gpu_worker.histogram import mean, quantile
+from shmbroker.gpu_worker.streams import EVENT_STAGES
 
 
 class BurstGaps:
@@ -373,7 +374,7 @@ def worker_cpu(before: Snapshot, after: Snapshot, model: str,
     first: dict[int, cpu_sample.CpuSample] = getattr(before, what)
     last: dict[int, cpu_sample.CpuSample] = getattr(after, what)
     scale = 1e3 if what == "preempted" else 1e6
-    return {str(pid): cpu_sample.per_request_us(first.get(pid, {}), sample, requests, scale)
+    return {str(pid): cpu_sample.per_request(first.get(pid, {}), sample, requests, scale)
             for pid, sample in last.items()}
 
 
@@ -422,7 +423,8 @@ def stage_figures(before: P.StatsReply, after: P.StatsReply, model: str, seconds
 
 
 # a request's path through the worker: its wait in the batcher, then its batch's stages to its last DONE sent
-WORKER_STAGES = ("queue", "h2d", "wait", "compute", "d2h", "answer")
+# (gpu_worker/pipeline.py's STAGES but ``wake``, a part of ``answer``)
+WORKER_STAGES = ("queue", *EVENT_STAGES, "answer")
 
 
 def outside_worker_ms(latency: Figures, stages: Figures) -> float | None:

@@ -72,24 +72,27 @@ class NvImageCodecDecoder:
         if self._fallback is not None:
             # the CUDA decoder sets itself up at its first call: now, not at the first photo the hardware refuses
             stream = torch.cuda.current_stream(device)
-            self._fallback.decode([nvimgcodec.CodeStream(np.frombuffer(probe_jpeg(), dtype=np.uint8))],
-                                  params=self._params, cuda_stream=stream.cuda_stream)
+            self._decode_with(self._fallback, [self._code(memoryview(probe_jpeg()))], stream)
             stream.synchronize()
         engines = "hardware and CUDA" if hardware else "CUDA"
         self.backend = (f"nvImageCodec {getattr(nvimgcodec, '__version__', '?')} (nvJPEG {engines}, fancy "
                         f"upsampling) on cuda:{device} ({torch.cuda.get_device_name(device)})")
 
     def decode(self, rows: list[memoryview], stream: Any) -> list[Any]:
-        codes = [self._nv.CodeStream(np.frombuffer(r, dtype=np.uint8)) for r in rows]
-
-        def run(decoder: Any) -> Callable[[list[Any]], list[Any]]:
-            return lambda cs: list(decoder.decode(cs, params=self._params, cuda_stream=stream.cuda_stream))
-
-        images = run(self._decoder)(codes)
-        if self._fallback is not None:
-            images = retry_refused(images, codes, run(self._fallback))
+        codes = [self._code(r) for r in rows]
+        images = self._decode_with(self._decoder, codes, stream)
+        fallback = self._fallback
+        if fallback is not None:
+            images = retry_refused(images, codes, lambda cs: self._decode_with(fallback, cs, stream))
         return [self._tensor(im) if im is not None else "corrupt or truncated JPEG: nvImageCodec could not decode it"
                 for im in images]
+
+    def _code(self, row: memoryview) -> Any:
+        return self._nv.CodeStream(np.frombuffer(row, dtype=np.uint8))
+
+    def _decode_with(self, decoder: Any, codes: list[Any], stream: Any) -> list[Any]:
+        """``decoder``'s images of ``codes`` on ``stream`` (a torch stream), ``None`` where it refused one."""
+        return list(decoder.decode(codes, params=self._params, cuda_stream=stream.cuda_stream))
 
     def _tensor(self, image: Any) -> Any:
         """An image (on the device, or on the host where a CPU codec took it) as [3, H, W], no copy on the device.

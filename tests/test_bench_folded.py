@@ -30,8 +30,8 @@ def test_threads_and_functions_are_shares_of_all_samples() -> None:
 def test_cpu_per_request_by_thread_name() -> None:
     before = {"runner": 1.0, "io": 2.0}
     after = {"runner": 1.5, "io": 2.1, "new": 0.2}
-    assert cpu_sample.per_request_us(before, after, 100_000) == {"runner": 5.0, "new": 2.0, "io": 1.0, "total": 8.0}
-    assert cpu_sample.per_request_us(before, after, 0) == {}
+    assert cpu_sample.per_request(before, after, 100_000) == {"runner": 5.0, "new": 2.0, "io": 1.0, "total": 8.0}
+    assert cpu_sample.per_request(before, after, 0) == {}
 
 
 def test_a_named_thread_is_sampled_under_its_name() -> None:

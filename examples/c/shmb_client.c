@@ -482,19 +482,24 @@ static void close_session(conn_t *c) {
     js_free(&c->ready);
 }
 
-/* §4.3, §4.6: one image as a slot's input (the row table, then its bytes), then generation, request_id, status,
-   and the state word last (release); the request's record and descriptor for a SUBMIT */
+/* §4.3: once a slot's inputs are written, its generation, request_id, status, and the state word last (release) */
+static void publish(uint8_t *h, uint32_t gen, uint64_t rid) {
+    uint32_t zero = 0;
+    memcpy(h + 4, &gen, 4);
+    memcpy(h + 8, &rid, 8);
+    memcpy(h + 16, &zero, 4);
+    __atomic_store_n((uint32_t *)h, SUBMITTED, __ATOMIC_RELEASE);
+}
+
+/* §4.6: one image as a slot's input (the row table, then its bytes), published; the request's record and
+   descriptor for a SUBMIT */
 static void publish_image(const conn_t *c, uint32_t slot, uint32_t gen, uint64_t rid, const void *data, size_t len,
                           request_rec_t *rq, tensor_desc_t *td, uint32_t first_tensor) {
     uint8_t *h = c->s.base + HEADER_BYTES + (uint64_t)slot * c->s.stride;
     uint64_t row[2] = {16, len};
     memcpy(h + SLOT_HEADER_BYTES, row, 16);
     memcpy(h + SLOT_HEADER_BYTES + 16, data, len);
-    uint32_t zero = 0;
-    memcpy(h + 4, &gen, 4);
-    memcpy(h + 8, &rid, 8);
-    memcpy(h + 16, &zero, 4);
-    __atomic_store_n((uint32_t *)h, SUBMITTED, __ATOMIC_RELEASE);
+    publish(h, gen, rid);
     *rq = (request_rec_t){rid, slot, gen, c->model_id, first_tensor, 1, 0};
     *td = (tensor_desc_t){0, 5, c->ndim, 0, 0, 16 + len, {1}};
 }
@@ -598,10 +603,10 @@ static int load_main(double seconds, int slots, const char *model, int nfiles, c
         if (k > 0) submit(&c, msg, rq, td, k);
     }
     qsort(lat, counted, 4, by_value);
-    double window = t1 - t0;
+    double window = t1 - t0, per_s = window > 0 ? (double)counted / window : 0.0;
     printf("{\"model\":\"%s\",\"slots\":%u,\"images\":%d,\"requests\":%" PRIu64 ",\"errors\":%" PRIu64
            ",\"seconds\":%.3f,\"per_s\":%.1f,\"cpu_us_per_request\":%.2f,\"p50_us\":%u,\"p99_us\":%u}\n",
-           model, n, im.n, counted, errors, window, counted / window, counted ? (cpu1 - cpu0) * 1e6 / (double)counted : 0.0,
+           model, n, im.n, counted, errors, window, per_s, counted ? (cpu1 - cpu0) * 1e6 / (double)counted : 0.0,
            counted ? lat[counted / 2] : 0, counted ? lat[counted * 99 / 100] : 0);
     close_session(&c);
     free(gen);
@@ -665,26 +670,14 @@ int main(int argc, char **argv) {
         if ((uint64_t)dims[0] > c.max_items || in_len > s.in_cap) die(1, "more rows than this session's max_items");
     }
 
-    /* §4.3: inputs, then generation, request_id, status, and the state word last (release) */
-    uint8_t *slot = s.base + HEADER_BYTES;
+    /* the inputs into slot 0, published; one request, one tensor */
+    uint8_t *slot = s.base + HEADER_BYTES, msg[24 + 32 + 88];
     memcpy(slot + SLOT_HEADER_BYTES, x, in_len);
-    uint32_t gen = 1, zero = 0;
-    uint64_t rid = 1;
-    memcpy(slot + 4, &gen, 4);
-    memcpy(slot + 8, &rid, 8);
-    memcpy(slot + 16, &zero, 4);
-    __atomic_store_n((uint32_t *)slot, SUBMITTED, __ATOMIC_RELEASE);
-
-    /* §5.1: one request, one tensor */
-    uint8_t msg[24 + 32 + 88];
-    submit_hdr_t sh = {s.session_id, 1, 1, 0, s.token};
-    request_rec_t rq = {rid, 0, gen, c.model_id, 0, 1, 0};
+    publish(slot, 1, 1);
+    request_rec_t rq = {1, 0, 1, c.model_id, 0, 1, 0};
     tensor_desc_t td = {0, dtype, c.ndim, 0, 0, in_len, {0}};
     memcpy(td.dims, dims, sizeof td.dims);
-    memcpy(msg, &sh, 24);
-    memcpy(msg + 24, &rq, 32);
-    memcpy(msg + 56, &td, 88);
-    send2(c.push, SUBMIT, msg, sizeof msg);
+    submit(&c, msg, &rq, &td, 1);
 
     for (;;) {
         zmq_msg_t body;
