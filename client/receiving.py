@@ -39,6 +39,10 @@ SLOT_ANSWERS = platform.machine().lower() in ("x86_64", "amd64")
 # with answers 1-2 ms apart, that sleeping between them costs the most
 # (bench/RESULTS.md#spin-policy-and-io-thread-reach).
 IO_SPIN_REACH = 4
+# ... but only while at most this many requests are in flight. With more, the worker already holds this
+# process's next requests, so a late wake-up does not idle the device, and a spin that cannot reach the next
+# answer only takes a core from the worker (bench/RESULTS.md#the-client-spin-with-many-requests-in-flight).
+IO_SPIN_FAR_MAX = 16
 # The IO thread's spin reads the slot headers of the requests in flight while there are at most this many: a
 # few requests each waited on closely (a callback that sends the next); more would make each look cost more
 # than the ZeroMQ hop it saves (bench/RESULTS.md#callbacks-read-answers-from-slot-headers).
@@ -123,7 +127,7 @@ class Receiver:
                         for link in links:
                             if link.pull in events:
                                 if not answered:
-                                    spin.arrived(time.perf_counter_ns())
+                                    spin.arrived(time.perf_counter_ns(), len(self._slots.pending) <= IO_SPIN_FAR_MAX)
                                     answered = True
                                 self.drain(link)  # (2)
                         if answered:
@@ -157,7 +161,8 @@ class Receiver:
         """The IO thread's poll: its events, and whether it completed answers from slot headers meanwhile.
 
         Right after it handled answers, while more are in flight and most recent answers came within
-        ``IO_SPIN_REACH`` windows of the client's ``spin_us`` (broker.common.spin), it polls without sleeping
+        ``IO_SPIN_REACH`` windows of the client's ``spin_us`` (one window while more than ``IO_SPIN_FAR_MAX``
+        are in flight; broker.common.spin), it polls without sleeping
         until one comes or the window ends. Why: on small and virtual machines a thread woken from sleep
         costs tens of microseconds more per wake-up, and it is woken once per DONE message
         (bench/RESULTS.md#io-thread-spin). While at most ``PEEK_MAX`` requests are in flight, the spin also

@@ -81,3 +81,20 @@ def test_zero_never_spins() -> None:
     p.arrived(10)
     p.waiting(10)
     assert p.until == 0
+
+
+def test_near_events_only_ignore_the_reach() -> None:
+    """Bursts 2 ms apart while many requests are in flight (``far=False``): past one window, so no spin
+    even with a reach of four windows; the same gaps counted with the reach keep it."""
+    near, far = SpinPolicy(1000 * US, reach=4), SpinPolicy(1000 * US, reach=4)
+    now = 0
+    for _ in range(20):
+        for p in (near, far):
+            p.waiting(now)
+        now += 2000 * US
+        near.arrived(now, far=False)
+        far.arrived(now)
+    near.waiting(now)
+    far.waiting(now)
+    assert near.until == 0
+    assert far.until == now + 1000 * US

@@ -24,9 +24,10 @@ class SpinPolicy:
         self._done_at = 0
         self._hits = HIT_ONE  # moving share (of HIT_ONE) of the events that came within the reach
 
-    def arrived(self, now: int) -> None:
+    def arrived(self, now: int, far: bool = True) -> None:
+        """An event came at ``now``; ``far=False`` counts it a hit only within one window, whatever the reach."""
         if self._done_at:
-            hit = HIT_ONE if now - self._done_at < self.reach_ns else 0
+            hit = HIT_ONE if now - self._done_at < (self.reach_ns if far else self.spin_ns) else 0
             self._hits += (hit - self._hits) >> 3  # a weight of 1/8: a change of traffic shows within a few events
             self._done_at = 0
 
