@@ -93,7 +93,7 @@ cat "$out/photos.md"; tail -n 5 "$out/photos.log"
 if [ -n "${PROFILE:-}" ] && [ -x /tmp/site/bin/py-spy ]; then
   log=$out/profiled.log
   python3 -m shmbroker.bench.photos --config bench/gpu_photos.toml --quick --duration 6 --sizes 640x480 \
-    --out "$out/profiled.json" > "$out/profiled.md" 2> "$log" &
+    --out "$out/profiled.json" ${PHOTOS_ARGS:-} > "$out/profiled.md" 2> "$log" &
   bench=$!  # py-spy needs the bench's own pid, so no `timeout` in front: PROFILE_S (default 150 s) ends it
   (sleep "${PROFILE_S:-150}"; kill "$bench" 2>/dev/null) &
   upto() { until grep -qF "$1" "$log" || ! kill -0 "$bench" 2>/dev/null; do sleep 0.2; done; }

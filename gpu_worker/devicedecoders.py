@@ -42,6 +42,10 @@ class DeviceDecoder(Protocol):
         """Each row as [3, H, W] uint8 on the device, or a ``str``: why it did not decode."""
         ...
 
+    def twin(self) -> DeviceDecoder:
+        """A new decoder of the same kind and settings (one per stream slot)."""
+        ...
+
 
 class NvImageCodecDecoder:
     """nvImageCodec's decoder with fancy upsampling and no EXIF rotation (see the module's docstring), on the
@@ -51,6 +55,7 @@ class NvImageCodecDecoder:
         """``max_batch``: the most rows a batch decodes, which the hardware decoder allocates for up front."""
         from nvidia import nvimgcodec
 
+        self._args = (torch, device, max_batch, hardware)
         self._nv = nvimgcodec
         self._torch = torch
         self._device = torch.device("cuda", device)
@@ -87,6 +92,9 @@ class NvImageCodecDecoder:
         return [self._tensor(im) if im is not None else "corrupt or truncated JPEG: nvImageCodec could not decode it"
                 for im in images]
 
+    def twin(self) -> NvImageCodecDecoder:
+        return NvImageCodecDecoder(*self._args)
+
     def _code(self, row: memoryview) -> Any:
         return self._nv.CodeStream(np.frombuffer(row, dtype=np.uint8))
 
@@ -120,6 +128,7 @@ class TorchvisionDecoder:
         import torchvision
         from torchvision.io import ImageReadMode, decode_jpeg
 
+        self._args = (torch, device, max_batch)
         self._torch = torch
         self._decode_jpeg = decode_jpeg
         self._rgb = ImageReadMode.RGB
@@ -135,6 +144,9 @@ class TorchvisionDecoder:
             if len(tensors) == 1:
                 return [self._one(tensors[0])]
         return [self._one(t) for t in tensors]
+
+    def twin(self) -> TorchvisionDecoder:
+        return TorchvisionDecoder(*self._args)
 
     def _one(self, t: Any) -> Any:
         try:

@@ -32,7 +32,7 @@ import numpy as np
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.gpu_worker.batcher import Batcher
-from shmbroker.gpu_worker.devicedecoders import DECODERS, NoDecoder, open_decoder
+from shmbroker.gpu_worker.devicedecoders import DECODERS, DeviceDecoder, NoDecoder, open_decoder
 from shmbroker.gpu_worker.devicerecipe import DeviceRecipe
 from shmbroker.gpu_worker.engines.base import DeviceEngine, EngineError
 from shmbroker.gpu_worker.finishgraphs import FinishGraphs
@@ -139,6 +139,9 @@ class DevicePhotos:
         # on the slot's stream, whoever allocated them
         self._held: dict[int, list[list[Any]]] = {}
         self._graphs: dict[int, FinishGraphs] = {}  # per slot, from its warm-up
+        # one decoder per slot: a decoder waits at each call for its previous batch to leave the device, so a
+        # shared one would hold one slot's decode until the other's ended (bench/RESULTS.md#a-decoder-per-slot)
+        self._decoders: dict[int, DeviceDecoder] = {}
 
     # -- per stream slot, made once ----------------------------------------------------------------------
     def _stream(self, slot: StreamSlot) -> Any:
@@ -146,6 +149,14 @@ class DevicePhotos:
         if s is None:
             s = self._streams[slot.index] = self.torch.cuda.ExternalStream(slot.stream.handle, device=self.device)
         return s
+
+    def _decoder(self, slot: StreamSlot) -> DeviceDecoder:
+        """The slot's own decoder, of the kind ``open_decoder`` chose; the first slot's is that one."""
+        d = self._decoders.get(slot.index)
+        if d is None:
+            d = self.decoder.twin() if self._decoders else self.decoder
+            self._decoders[slot.index] = d
+        return d
 
     def _out(self, slot: StreamSlot) -> Any:
         """The slot's engine input buffer as a float32 tensor [max_batch, *item_shape], no copy."""
@@ -227,7 +238,7 @@ class DevicePhotos:
         gpu = [(i, k) for i, r in enumerate(rows) for k, (_, h) in enumerate(r) if h.gpu]
         images: list[list[Any]] = [[None] * len(r) for r in rows]
         failed: dict[int, str] = {}
-        decoded = self.decoder.decode([rows[i][k][0] for i, k in gpu], self._stream(slot)) if gpu else []
+        decoded = self._decoder(slot).decode([rows[i][k][0] for i, k in gpu], self._stream(slot)) if gpu else []
         for (i, k), image in zip(gpu, decoded, strict=True):
             if isinstance(image, str):
                 failed.setdefault(i, f"row {k}: {image}")
@@ -328,7 +339,7 @@ class DevicePhotos:
             else:
                 with io.BytesIO() as buf:
                     Image.new("RGB", (320, 240), (90, 140, 200)).save(buf, format="JPEG")
-                    images = self.decoder.decode([memoryview(bytearray(buf.getvalue()))], self._stream(slot))
+                    images = self._decoder(slot).decode([memoryview(bytearray(buf.getvalue()))], self._stream(slot))
             self._preprocess(Batch(images=[images]), slot)
             slot.stream.synchronize()
             took = time.perf_counter() - t0

@@ -110,6 +110,9 @@ class CopyPlan:
         canon = self.codec.rows
         for w in works:
             session = w.session
+            # a photo model's requests reach the device through its stage, never ``inputs``: into a pageable
+            # ring, cudaMemcpyAsync would hold the runner until the batch had computed
+            session.ensure_registered()
             base = session.segment.address + session.layout.output_bases[w.req.slot]
             rows = w.rows
             for k, off in enumerate(canon[rows].out_offsets):  # fit every row count the session allows
