@@ -56,8 +56,9 @@ class Settings:
 
     @classmethod
     def of(cls, args: argparse.Namespace, gpu: bool) -> Settings:
-        """From the command line; without ``--processes``/``--in-flight``: 16 x 8 on a GPU worker, 4 x 4 on a CPU
-        one (its engine takes two batches of 8 at once: 16 in flight keep one more queued)."""
+        """From the command line; without ``--processes``/``--in-flight``: 16 x 16 on a GPU worker (two stream
+        slots' batches of 128, bench/gpu_photos.toml's), 4 x 4 on a CPU one (its engine takes two batches of 8 at
+        once: 16 in flight keep one more queued)."""
         quick = bool(args.quick)
         duration = args.duration if args.duration is not None else (2.0 if quick else 5.0)
         rounds = args.rounds if args.rounds is not None else (1 if quick else 3)
@@ -65,7 +66,7 @@ class Settings:
             raise BenchError(f"--rounds must be at least 1, got {rounds}")
         sizes = photoset.parse_sizes(args.sizes) if args.sizes else list(photoset.SIZES)
         processes = args.processes if args.processes is not None else (16 if gpu else 4)
-        in_flight = args.in_flight if args.in_flight is not None else (8 if gpu else 4)
+        in_flight = args.in_flight if args.in_flight is not None else (16 if gpu else 4)
         if args.client_spin_us < 0:
             raise BenchError(f"--client-spin-us must be 0 or more, got {args.client_spin_us}")
         c_client = photo_cload.check_binary(args.c_client) if getattr(args, "c_client", None) else ""
@@ -88,7 +89,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--processes", type=int, default=None,
                     help="client processes in (b) and (c) (default 16 on a GPU worker, 4 on a CPU one)")
     ap.add_argument("--in-flight", type=int, default=None,
-                    help="requests each client keeps in flight (default 8 on a GPU worker, 4 on a CPU one)")
+                    help="requests each client keeps in flight (default 16 on a GPU worker, 4 on a CPU one)")
     ap.add_argument("--client-spin-us", type=int, default=1000, metavar="US",
                     help="each client's spin_us (default 1000, the client's own; 0: wait in the kernel at once)")
     ap.add_argument("--c-client", default=None, metavar="BINARY",

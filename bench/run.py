@@ -112,7 +112,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--processes", type=int, default=None,
                     help="--gpu: client processes (default 16); --photos: 16 on a GPU worker, 4 on a CPU one")
     ap.add_argument("--in-flight", type=int, default=None,
-                    help="--gpu: requests each client keeps in flight (default 8); --photos: 8 on a GPU worker, 4 on "
+                    help="--gpu: requests each client keeps in flight (default 8); --photos: 16 on a GPU worker, 4 on "
                          "a CPU one")
     ap.add_argument("--c-client", default=None, metavar="BINARY",
                     help="--photos: examples/c's shmb_client (make -C examples/c OUT=DIR): adds (b'), the same load "

@@ -140,7 +140,8 @@ class DevicePhotos:
         self._held: dict[int, list[list[Any]]] = {}
         self._graphs: dict[int, FinishGraphs] = {}  # per slot, from its warm-up
         # one decoder per slot: a decoder waits at each call for its previous batch to leave the device, so a
-        # shared one would hold one slot's decode until the other's ended (bench/RESULTS.md#a-decoder-per-slot)
+        # shared one would hold one slot's decode until the other's ended
+        # (bench/RESULTS.md#photos-on-the-hardware-decoder-alone-with-full-batches)
         self._decoders: dict[int, DeviceDecoder] = {}
 
     # -- per stream slot, made once ----------------------------------------------------------------------
