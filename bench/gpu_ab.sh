@@ -12,6 +12,8 @@
 #     null               the null engine (100 us a batch), 16 x N in flight: null-sS-xN
 #     gil, early         inductor, 16 x 48, this tree with --set worker.gil_switch_us=500 or early_copies=true
 #     spin0, nice        inductor, 16 x 48, this tree with --client-spin-us 0 or --worker-nice -10
+#   or lone-API-K: one request at a time on inductor with API (call, infer, request), bench.gpu_lone's
+#     interleaved rounds (about 45 s)
 #   bash bench/gpu_ab.sh new-s2-1 base-s2-1 new-s2-2 base-s2-2 null-s8-x96
 set -uo pipefail
 T0=$SECONDS
@@ -35,6 +37,10 @@ bench() {  # NAME DIR STREAMS INFLIGHT BENCH-ARGS...
   (cd "$d" && PYTHONPATH=/tmp/site:$PWD python3 -m shmbroker.bench.gpu --json --out $H/runs/$n.json --quick \
      --only limit,broker --max-batch 256 --streams "$s" --in-flight "$f" "$@" > $H/runs/$n.txt 2>&1)
   echo "$(date -u +%T) $n: exit $?"; pack; }
+lone() {  # NAME API: one request at a time, this tree
+  python3 -m shmbroker.bench.gpu_lone --api "$2" --engine inductor --inductor $PKG --out $H/runs/$1.json \
+    > $H/runs/$1.txt 2>&1
+  echo "$(date -u +%T) $1: exit $?"; pack; }
 ind=(--engines inductor --inductor $PKG)
 notrim=(--set trim_to_sizes=false)
 for r in "$@"; do
@@ -52,8 +58,17 @@ for r in "$@"; do
     early) bench "$r" . "$s" 48 "${ind[@]}" --set early_copies=true ;;
     spin0) bench "$r" . "$s" 48 "${ind[@]}" --client-spin-us 0 ;;
     nice) bench "$r" . "$s" 48 "${ind[@]}" --worker-nice -10 ;;
-    *) echo "unknown run $r (new, base, notrim, basenotrim, eager, eagerbase, null, gil, early, spin0, nice)"; exit 2 ;;
+    lone) lone "$r" "$s" ;;
+    *) echo "unknown run $r (new, base, notrim, basenotrim, eager, eagerbase, null, gil, early, spin0, nice, lone)"
+       exit 2 ;;
   esac
 done
-python3 -m shmbroker.bench.gpu_summary $H/runs
+python3 -m shmbroker.bench.gpu_summary $H/runs $(cd $H/runs && ls *.json | grep -v '^lone-' | sed 's/\.json$//')
+python3 - $H/runs <<'PY'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("lone-*.json")):
+    s = json.loads(f.read_text())["summary"]
+    print(f"{f.stem:>16}: batch 1 {s['batch1_ms']} ms, broker p50 {s['broker_p50_ms']} ms, over batch 1 "
+          f"{s['over_batch1_ms']} ms (rounds {s['over_batch1_range_ms']}), pass {s['target']['pass']}")
+PY
 echo "elapsed $((SECONDS - T0)) s"

@@ -278,6 +278,7 @@ class PhotoBench:
         before, after = window
         stages = gpu_load.stage_figures(before.stats, after.stats, model, after.t - before.t)
         out["batches"], out["mean_batch"] = stages.get("batches"), stages.get("mean_batch")
+        out["stages"] = stages  # where a photo's time goes in the worker: gpu_load.WORKER_STAGES
         by_worker = gpu_load.worker_cpu(before, after, model)
         out["worker_cpu_us_by_thread"] = by_worker
         totals = [w["total"] for w in by_worker.values() if isinstance(w, dict) and "total" in w]

@@ -152,6 +152,20 @@ def test_the_table_shows_each_size_its_rows_and_verdicts() -> None:
     assert b_over_a[0].endswith("PASS") and b_over_a[1].endswith("FAIL")
     assert "FAILED: skipped: no nsfw" in text and "9.0" in text  # (b)'s p50 in ms
     assert "cpu_a_over_b                             0.900 (info" in text
+    assert " ms queue " not in text  # no stage figures in these windows: no stage note
+
+
+def test_the_brokers_row_shows_where_a_photo_spends_its_time_in_the_worker() -> None:
+    size = _size(0.95)
+    size["broker"]["stages"] = {"queue": {"mean_us": 1500.0}, "h2d": {"mean_us": 20250.0},
+                                "compute": {"mean_us": 6400.0}, "answer": {"mean_us": 800.0}}
+    doc = {"date": "today", "elapsed_s": 1.0, "failures": [], "decoder": "gpu",
+           "machine": {"cpu_model": "cpu", "cpu_count": 16},
+           "settings": {"processes": 16, "in_flight": 16, "duration_s": 2.0, "rounds": 1},
+           "photoset": {}, "measurements": {"640x480": size}, "ratios": {"640x480": photo_report.ratios(size)},
+           "targets": {}}
+    row = next(line for line in photo_report.table(doc).splitlines() if "(b) broker, encoded photos" in line)
+    assert "ms queue 1.50 / h2d 20.25 / wait - / compute 6.40 / d2h - / answer 0.80" in row
 
 
 def test_the_c_clients_row_and_figure_appear_where_they_ran() -> None:
