@@ -127,7 +127,8 @@ class Receiver:
                         for link in links:
                             if link.pull in events:
                                 if not answered:
-                                    spin.arrived(time.perf_counter_ns(), len(self._slots.pending) <= IO_SPIN_FAR_MAX)
+                                    far = len(self._slots.pending) <= IO_SPIN_FAR_MAX
+                                    spin.arrived(time.perf_counter_ns(), far=far)
                                     answered = True
                                 self.drain(link)  # (2)
                         if answered:
