@@ -63,7 +63,7 @@ for r in "$@"; do
        exit 2 ;;
   esac
 done
-python3 -m shmbroker.bench.gpu_summary $H/runs $(cd $H/runs && ls *.json | grep -v '^lone-' | sed 's/\.json$//')
+python3 -m shmbroker.bench.gpu_summary $H/runs  # a lone run's document has no line there: its own below
 python3 - $H/runs <<'PY'
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("lone-*.json")):

@@ -93,9 +93,10 @@ def _row(label: str, f: Any) -> str:
         notes.append(f"mean batch {f['mean_batch']}")
     if f.get("gpu_busy_pct") is not None:
         notes.append(f"GPU busy {f['gpu_busy_pct']:.0f} %")
-    means = [(k, (f.get("stages") or {}).get(k, {}).get("mean_us")) for k in WORKER_STAGES]
-    if any(m is not None for _, m in means):
-        notes.append("ms " + " / ".join(f"{k} {_num(m / 1e3 if m is not None else None, '{:.2f}')}" for k, m in means))
+    stages = f.get("stages") or {}
+    ms = {k: stages[k]["mean_us"] / 1e3 for k in WORKER_STAGES if stages.get(k, {}).get("mean_us") is not None}
+    if ms:
+        notes.append("ms " + " / ".join(f"{k} {_num(ms.get(k), '{:.2f}')}" for k in WORKER_STAGES))
     windows = f.get("windows", [])
     if len(windows) > 1:
         notes.append("windows " + " / ".join(_num(w.get("per_s"), "{:,.1f}") for w in windows))
