@@ -4,8 +4,9 @@
 # CPU reference recipe; corrupt, truncated, non-image, oversized and bomb rows; the decoder named; the stage's
 # rows against the CPU preset's and its in-process images/s; with tests/gpu/test_finishgraphs.py), then each
 # test's figures, then the photo bench's (a), (b) and (c) on bench/gpu_photos.toml (`shmbroker bench --photos
-# --quick`). Logs and JSON go to $OUT (default /tmp/gpu-photos). The machine's image lacks some of
-# shmbroker's dependencies: fetch them here with
+# --quick`). The bench's report and JSON go to $OUT (default /tmp/gpu-photos), the logs, the tests' figures and
+# the profiles into $OUT/more.tgz. The machine's image lacks some of shmbroker's dependencies: fetch them here
+# with
 #   ../shared/device/prepare-wheels.sh msgspec==0.23.0 prometheus-client==0.26.0 rich==15.0.0 \
 #     markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 onnxconverter-common==1.16.0
 # (add nvidia-nvjpeg==13.2.3.58 if the preflight below says torchvision finds no libnvjpeg, py-spy==0.4.1 for
@@ -89,7 +90,8 @@ echo "bench.photos exit $?"
 cat "$out/photos.md"; tail -n 5 "$out/photos.log"
 # PROFILE=1 (a py-spy wheel in .whl): then one more run at 640x480 with 6 s windows, py-spy attached for a few
 # seconds, native frames and waiting threads included, to the bench process in (a)'s first window
-# ($out/profile_a.txt) and to the worker in (b)'s ($out/profile_b.txt); py-spy's raw format, one stack a line
+# ($out/profile_a.txt) and to the worker in (b)'s ($out/profile_b.txt), and at the same time to (b)'s first client
+# process ($out/profile_client.txt); py-spy's raw format, one stack a line
 if [ -n "${PROFILE:-}" ] && [ -x /tmp/site/bin/py-spy ]; then
   log=$out/profiled.log
   python3 -m shmbroker.bench.photos --config bench/gpu_photos.toml --quick --duration 6 --sizes 640x480 \
@@ -103,6 +105,11 @@ if [ -n "${PROFILE:-}" ] && [ -x /tmp/site/bin/py-spy ]; then
   spy "$bench" 4 "$out/profile_a.txt"
   upto "(b) broker"
   sleep 2  # the clients' warm-up
+  spy "$(pgrep -x shmb-bench-0 | head -n 1)" 4 "$out/profile_client.txt" & client=$!
   spy "$(pgrep -x shmb-worker-0 | head -n 1)" 4 "$out/profile_b.txt"
+  wait "$client"
   wait "$bench"; echo "profiled bench exit $?"; grep -F "(b) window" "$log"
 fi
+# the device machine sends back only a few files: all but the bench's report and JSON go in one archive
+(cd "$out" && find . -type f ! -name photos.md ! -name photos.json ! -name more.tgz -print0 \
+  | tar czf more.tgz --null -T - --remove-files)
