@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -88,6 +89,7 @@ class Chains(ChainSet):
         self.samples: list[int] = []
         self.errors: collections.Counter[str] = collections.Counter()
         self.answered = 0  # every answer, in the window or not: the client's CPU time is divided by it
+        self.ended_cpu_s = 0.0  # CPU seconds of the threads ``run`` started and ended (Loops)
         self.bursts = BurstGaps()
 
     def inputs(self) -> Any:
@@ -131,7 +133,7 @@ class Loops(Chains):
     synchronous application does; a request is timed from the call to its return."""
 
     def run(self, timeout: float) -> bool:
-        threads = [threading.Thread(target=self._loop, name=f"bench-infer-{i}", daemon=True)
+        threads = [threading.Thread(target=self._timed_loop, name=f"bench-infer-{i}", daemon=True)
                    for i in range(1, len(self.sent))]
         for t in threads:
             t.start()
@@ -139,6 +141,13 @@ class Loops(Chains):
         for t in threads:
             t.join(timeout)
         return not any(t.is_alive() for t in threads)
+
+    def _timed_loop(self) -> None:
+        """``_loop`` on a thread of its own, whose CPU time counts in ``ended_cpu_s``."""
+        t0 = time.thread_time()
+        self._loop()
+        with self.lock:
+            self.ended_cpu_s += time.thread_time() - t0
 
     def _loop(self) -> None:
         samples: list[int] = []
@@ -243,14 +252,17 @@ def _window(chains: Chains, spec: dict[str, Any]) -> Figures:
     w0 = time.monotonic() + spec["warmup_s"]
     chains.t_count, chains.t_end = t0 + spec["warmup_s"], t0 + spec["warmup_s"] + spec["duration_s"]
     cpu0, switched0 = time.process_time(), psutil.Process().num_ctx_switches().involuntary
+    threads0 = _own_threads()
     drained = chains.run(spec["warmup_s"] + spec["duration_s"] + 30.0)
     cpu_s = time.process_time() - cpu0
+    threads1 = _own_threads()
     preempted = psutil.Process().num_ctx_switches().involuntary - switched0
     with chains.lock:
         samples, errors = list(chains.samples), dict(chains.errors)
     return {"completed": len(samples), "errors": sum(errors.values()), "error_codes": errors,
             "samples_ns": samples, "window_s": spec["duration_s"], "lost": 0 if drained else chains.live,
             "window_monotonic": [w0, w0 + spec["duration_s"]], "cpu_s": cpu_s, "preempted": preempted,
+            "cpu_s_by_thread": _thread_deltas(threads0, threads1, chains.ended_cpu_s),
             "answered": chains.answered, "bursts": chains.bursts.counts()}
 
 
@@ -277,6 +289,7 @@ def merge(results: list[Figures], duration_s: float, sampler: Sampler) -> Figure
             "errors": sum(r["errors"] for r in results), "latency": latency_summary(samples),
             "gpu_busy_pct": sampler.busy_pct(t0, t1), "gpu_busy_error": sampler.error,
             "client_cpu_us_per_request": _per_answer(results, "cpu_s", 1e6),
+            "client_cpu_us_by_thread": client_threads(results),
             "client_preempted_per_1k_requests": _per_answer(results, "preempted", 1e3),
             "answer_bursts": BurstGaps.merge([r["bursts"] for r in results if "bursts" in r]),
             "window_monotonic": [t0, t1]}
@@ -288,6 +301,32 @@ def _per_answer(results: list[Figures], key: str, scale: float) -> float | None:
     1000 requests)."""
     answered = sum(r.get("answered", 0) for r in results)
     return round(sum(r.get(key, 0) for r in results) * scale / answered, 2) if answered else None
+
+
+def _thread_deltas(before: cpu_sample.CpuSample, after: cpu_sample.CpuSample, ended: float) -> cpu_sample.CpuSample:
+    """Each thread name's CPU seconds between the samples, and as "ended" those of the threads that ended in
+    between (the infer API's callers), which the second sample no longer sees."""
+    out = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    if ended > 0:
+        out["ended"] = ended
+    return out
+
+
+def _own_threads() -> cpu_sample.CpuSample:
+    """This process's CPU seconds by thread name, its own name (each client process has one) as "caller"."""
+    own = Path("/proc/self/comm").read_text().strip()
+    return {("caller" if name == own else name): sec for name, sec in cpu_sample.threads(os.getpid()).items()}
+
+
+def client_threads(results: list[Figures]) -> dict[str, float]:
+    """The client processes' CPU by thread name (``cpu_s_by_thread``: the client's IO thread, ZeroMQ's, the
+    callers'), summed, in microseconds per answered request, the largest first, with a total."""
+    answered = sum(r.get("answered", 0) for r in results)
+    summed: cpu_sample.CpuSample = {}
+    for r in results:
+        for name, sec in r.get("cpu_s_by_thread", {}).items():
+            summed[name] = summed.get(name, 0.0) + sec
+    return cpu_sample.per_request({}, summed, answered)
 
 
 @dataclass(frozen=True)

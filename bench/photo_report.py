@@ -97,6 +97,9 @@ def _row(label: str, f: Any) -> str:
     ms = {k: stages[k]["mean_us"] / 1e3 for k in WORKER_STAGES if stages.get(k, {}).get("mean_us") is not None}
     if ms:
         notes.append("ms " + " / ".join(f"{k} {_num(ms.get(k), '{:.2f}')}" for k in WORKER_STAGES))
+    by_thread = {k: v for k, v in (f.get("client_cpu_us_by_thread") or {}).items() if k != "total"}
+    if by_thread:
+        notes.append("client us " + " / ".join(f"{k} {v:,.0f}" for k, v in list(by_thread.items())[:3]))
     windows = f.get("windows", [])
     if len(windows) > 1:
         notes.append("windows " + " / ".join(_num(w.get("per_s"), "{:,.1f}") for w in windows))

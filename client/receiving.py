@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from shmbroker.broker.common import proc
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.protocol import DONE_ENVELOPE, SLOT_HEADER, STATE_GEN, SlotState
 from shmbroker.broker.common.ring import Segment
@@ -47,6 +48,9 @@ IO_SPIN_FAR_MAX = 16
 # few requests each waited on closely (a callback that sends the next); more would make each look cost more
 # than the ZeroMQ hop it saves (bench/RESULTS.md#callbacks-read-answers-from-slot-headers).
 PEEK_MAX = 4
+# the IO thread's name as the kernel shows it (top -H, py-spy, /proc/PID/task/TID/comm): the CPU a client spends
+# receiving, apart from the caller's threads and ZeroMQ's
+IO_THREAD_NAME = "shmb-client-io"
 
 
 class Receiver:
@@ -114,6 +118,7 @@ class Receiver:
         """(1) poll, (2) DONEs from workers, unless a caller receives them, (3) broker notices, (4) links up,
         (5) the broker's connection lost or back, and a new session after a restart (client.rejoin), (6) while
         close() waits, tell it once nothing is in flight."""
+        proc.name_thread(IO_THREAD_NAME)
         pollers: tuple[zmq.Poller, zmq.Poller] | None = None
         links: tuple[Link, ...] = ()
         spin = self._spin

@@ -9,6 +9,7 @@ import pytest
 
 from shmbroker.bench import gpu_load
 from shmbroker.broker.common import protocol as P
+from shmbroker.client.receiving import IO_THREAD_NAME
 from shmbroker.gpu_worker.model_source import TINY_WIDTH
 from tests.conftest import RunningBroker
 
@@ -69,6 +70,16 @@ def test_a_client_process_counts_its_windows_answers_with_each_api(broker: Runni
     w0, w1 = out["window_monotonic"]
     assert w1 - w0 == spec["duration_s"]
     assert all(0 < ns < 2e9 for ns in out["samples_ns"])  # each within the model's 2 s timeout
+    by_thread = out["cpu_s_by_thread"]  # the client's receiving thread by its name, the test's own as "caller"
+    assert IO_THREAD_NAME in by_thread and "caller" in by_thread, by_thread
+    assert ("ended" in by_thread) == (api != "call")  # the loops' extra caller threads end with the window
+    assert all(sec >= 0 for sec in by_thread.values())
+
+
+def test_the_clients_cpu_by_thread_is_summed_over_processes_per_answer() -> None:
+    results = [{"answered": 100, "cpu_s_by_thread": {IO_THREAD_NAME: 0.004, "ZMQbg/IO/0": 0.001, "caller": 0.0}},
+               {"answered": 300, "cpu_s_by_thread": {IO_THREAD_NAME: 0.008, "ZMQbg/IO/0": 0.003}}]
+    assert gpu_load.client_threads(results) == {IO_THREAD_NAME: 30.0, "ZMQbg/IO/0": 10.0, "total": 40.0}
 
 
 

@@ -11,6 +11,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +25,8 @@ from shmbroker.client import (
     RequestTimeout,
     ShmBrokerError,
 )
-from tests.conftest import TINY_MODELS, RunningBroker, arr, running_broker
+from shmbroker.client.receiving import IO_THREAD_NAME
+from tests.conftest import TINY_MODELS, RunningBroker, arr, running_broker, wait_until
 from tests.models import direct
 
 X = np.random.default_rng(3).standard_normal((1, 256), dtype=np.float32)
@@ -43,6 +45,18 @@ def test_a_session_has_the_slots_and_rows_asked_for_or_the_brokers_defaults(live
         assert arr(c.infer("tiny", np.ones((5, 256), np.float32))).shape == (5, 256)
     with Client(live.runtime_dir) as c:
         assert (c.segment.layout.n_slots, c.max_items) == (8, 16)
+
+
+def _thread_names() -> list[str]:
+    return [Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task")]
+
+
+def test_the_clients_io_thread_carries_its_name_where_top_and_py_spy_see_it(live: RunningBroker) -> None:
+    with Client(live.runtime_dir, slots=1) as c:
+        c.infer("tiny", X)  # answered on a thread of this client: its IO thread is up
+        wait_until(lambda: IO_THREAD_NAME in _thread_names(), "the client's IO thread named", 10.0)
+        assert _thread_names().count(IO_THREAD_NAME) == 1
+    wait_until(lambda: IO_THREAD_NAME not in _thread_names(), "the IO thread ended with the client", 10.0)
 
 
 @pytest.mark.parametrize(("slots", "max_items", "message"), [
