@@ -222,7 +222,10 @@ class Batcher(Generic[E]):
                 expired = self._drop_expired(now)
                 wait = self._due_in(now)
                 if wait <= 0.0:
-                    return Take(self._pop_batch(), expired)
+                    take = Take(self._pop_batch(), expired)
+                    if self._due_in(now) <= 0.0:
+                        self._cond.notify()  # another batch is due as well: for another taking thread, if any
+                    return take
                 if expired:
                     return Take([], expired)
                 if end is not None:

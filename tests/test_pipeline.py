@@ -313,3 +313,50 @@ def test_a_launch_that_fails_fails_its_batch_only(host_device: HostDevice,
         np.testing.assert_array_equal(y, np.full((1, 4), 2.0 * slot, np.float32))
     assert runner.counters.requests[P.Status.INTERNAL.name] == 1
 
+
+
+class _HostStep(PipelineRunner):
+    """A runner whose step (3) first holds its thread on the host, as a decoder waiting for the JPEG engines does
+    (gpu_worker/devicephotos.py), and records when and on which thread; it never launches on the intake thread."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.spans: list[tuple[str, float, float]] = []
+
+    def _inputs_in(self, slot: StreamSlot, works: list[Work]) -> tuple[list[Work], int]:
+        t0 = time.monotonic()
+        time.sleep(0.03)  # the host-side wait under test
+        out = super()._inputs_in(slot, works)
+        self.spans.append((threading.current_thread().name, t0, time.monotonic()))
+        return out
+
+    def try_inline(self, watch: bool = False) -> bool:
+        self.batcher.kick()
+        return False
+
+
+def test_with_a_thread_per_slot_one_slots_inputs_are_prepared_while_anothers_are(
+        host_device: HostDevice, session: tuple[WorkerSession, threading.Event]) -> None:
+    ws, all_answered = session
+    engine = DoublingEngine(host_device)
+    view = ModelView(0, "double", MAX_BATCH, engine.inputs, engine.outputs, 5000)
+    runner = _HostStep(view, engine, Batcher(_policy(fill_while_busy=False)), ModelCounters(), 2,
+                       thread_per_slot=True)
+    runner.warm_up()
+    engine.batches.clear()
+    runner.start()
+    try:
+        xs = [np.full((1, 4), float(slot + 1), np.float32) for slot in range(SLOTS)]
+        runner.batcher.put_many([ring_work(ws, slot, x) for slot, x in enumerate(xs)], wake=True)
+        assert all_answered.wait(30), f"not every request was answered: {sorted(ws.in_flight)} still in flight"
+    finally:
+        runner.stop()
+    assert not any(t.is_alive() for t in runner._threads())
+    for slot, x in enumerate(xs):
+        y = ws.segment.output_view(slot, 0, np.dtype("float32"), (1, 4))
+        np.testing.assert_array_equal(y, 2 * x, err_msg=f"slot {slot} got another request's outputs")
+    assert sum(engine.batches) == SLOTS and runner.counters.requests[P.Status.OK.name] == SLOTS
+    assert {name for name, _, _ in runner.spans} == {"runner-double", "runner-double-1"}
+    overlapping = [(a, b) for a in runner.spans for b in runner.spans
+                   if a[0] < b[0] and a[1] < b[2] and b[1] < a[2]]
+    assert overlapping, f"no two slots' step (3) overlapped: {runner.spans}"
