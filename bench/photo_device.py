@@ -13,14 +13,13 @@ device, so the figures say which of the two sets the limit.
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from shmbroker.bench.common import BenchError
-from shmbroker.bench.photo_tally import Tally, batches
+from shmbroker.bench.photo_tally import Tally, batches, on_threads
 from shmbroker.gpu_worker import cuda
 from shmbroker.gpu_worker.devicephotos import DevicePhotoRunner
 from shmbroker.gpu_worker.streams import StreamSlot
@@ -55,31 +54,14 @@ class DeviceShape:
         slots = self.runner.slots
         groups = [[s] for s in slots] if self.slot_threads else [list(slots)]
         tallies = [Tally() for _ in groups]
-        failures: list[BaseException] = []
         launched = itertools.count(1)  # batches launched by every thread; next() is atomic under the GIL
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        t0 = time.perf_counter()
 
         def done() -> bool:
             return next(launched) >= min_runs and time.perf_counter() - t0 >= seconds
 
-        def issue(g: int) -> None:
-            try:
-                self._issue(groups[g], images, batches(len(images), b, g, len(groups)), tallies[g], done)
-            except BaseException as exc:  # noqa: BLE001 - raised again below, on the caller's thread
-                failures.append(exc)
-
-        threads = [threading.Thread(target=issue, args=(g,), name=f"bench-slot-{g}") for g in range(1, len(groups))]
-        for thread in threads:
-            thread.start()
-        issue(0)
-        for thread in threads:
-            thread.join()
-        if failures:
-            raise failures[0]
-        out = Tally(seconds=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0)
-        for t in tallies:
-            out.add(Tally(t.runs, 0.0, t.decode_s, t.engine_s))
-        return out
+        return on_threads(lambda g: self._issue(groups[g], images, batches(len(images), b, g, len(groups)),
+                                                tallies[g], done), tallies, "bench-slot")
 
     def _issue(self, slots: list[StreamSlot], images: Sequence[memoryview], plan: list[list[int]],
                tally: Tally, done: Callable[[], bool]) -> None:

@@ -12,7 +12,6 @@ one again in windows that take turns with the broker's (bench/paired.py), as ben
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import numpy as np
 
 from shmbroker.bench.common import BenchError, Figures, Progress
 from shmbroker.bench.photo_device import DeviceShape, device_shape
-from shmbroker.bench.photo_tally import Tally, batches, tally_figures
+from shmbroker.bench.photo_tally import Tally, batches, on_threads, tally_figures
 from shmbroker.broker.common.config import Config
 from shmbroker.gpu_worker import model_source, models
 from shmbroker.gpu_worker.batcher import Batcher
@@ -62,7 +61,6 @@ class Shape:
         """``instances`` threads decode and run batches of ``b`` back to back for ``seconds`` (at least
         ``min_runs`` batches in all)."""
         tallies = [Tally() for _ in range(self.instances)]
-        failures: list[BaseException] = []
         t0 = time.perf_counter()
 
         def total() -> int:
@@ -71,38 +69,22 @@ class Shape:
         def loop(i: int) -> None:
             tally, batch, runner = tallies[i], self.inputs[i], self.runner
             plan = batches(len(images), b, i, self.instances)
-            try:
-                while True:
-                    for rows in plan:
-                        ta = time.perf_counter()
-                        error = runner.decode_rows([images[k] for k in rows], batch, 0)
-                        if error is not None:
-                            raise BenchError(f"a photo of the set does not decode: {error}")
-                        tb = time.perf_counter()
-                        runner.engine.run(runner.feeds(batch, b))
-                        tc = time.perf_counter()
-                        tally.runs += 1
-                        tally.decode_s += tb - ta
-                        tally.engine_s += tc - tb
-                        if tc - t0 >= seconds and total() >= min_runs:
-                            return
-            except BaseException as exc:  # noqa: BLE001 - raised again by the caller
-                failures.append(exc)
+            while True:
+                for rows in plan:
+                    ta = time.perf_counter()
+                    error = runner.decode_rows([images[k] for k in rows], batch, 0)
+                    if error is not None:
+                        raise BenchError(f"a photo of the set does not decode: {error}")
+                    tb = time.perf_counter()
+                    runner.engine.run(runner.feeds(batch, b))
+                    tc = time.perf_counter()
+                    tally.runs += 1
+                    tally.decode_s += tb - ta
+                    tally.engine_s += tc - tb
+                    if tc - t0 >= seconds and total() >= min_runs:
+                        return
 
-        cpu0 = time.process_time()
-        threads = [threading.Thread(target=loop, args=(i,), name=f"bench-photo-{i}")
-                   for i in range(1, self.instances)]
-        for t in threads:
-            t.start()
-        loop(0)
-        for t in threads:
-            t.join()
-        if failures:
-            raise failures[0]
-        out = Tally(seconds=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0)
-        for tally in tallies:
-            out.add(Tally(tally.runs, 0.0, tally.decode_s, tally.engine_s))
-        return out
+        return on_threads(loop, tallies, "bench-photo")
 
     def close(self) -> None:
         self.runner.engine.close()

@@ -4,6 +4,9 @@ batch takes: shared by the host runner's shapes (bench/photo_inprocess.py) and t
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shmbroker.bench.common import Figures
@@ -49,3 +52,29 @@ def batches(images: int, batch: int, thread: int, instances: int) -> list[list[i
     start = thread * images // max(1, instances)
     count = max(1, images // batch) if images >= batch else 1
     return [[(start + k * batch + j) % images for j in range(batch)] for k in range(count)]
+
+
+def on_threads(body: Callable[[int], None], tallies: list[Tally], name: str) -> Tally:
+    """``body(i)`` on one thread each for ``tallies`` (the first the caller's), each adding to ``tallies[i]``:
+    their sum, with the wall and CPU time of the whole; the first failure is raised once every thread ended."""
+    failures: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            body(i)
+        except BaseException as exc:  # noqa: BLE001 - raised again below, on the caller's thread
+            failures.append(exc)
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}") for i in range(1, len(tallies))]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    out = Tally(seconds=time.perf_counter() - t0, cpu_s=time.process_time() - cpu0)
+    for t in tallies:
+        out.add(Tally(t.runs, 0.0, t.decode_s, t.engine_s))
+    return out
