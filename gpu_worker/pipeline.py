@@ -22,11 +22,13 @@ the rings are registered once per session (``WorkerSession.ensure_registered``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
+from contextlib import AbstractContextManager
 
 from shmbroker.broker.common import proc
 from shmbroker.broker.common import protocol as P
@@ -105,9 +107,10 @@ class PipelineRunner(BatchRunner):
             raise
         for slot in self.slots:
             self._free.put(slot)
-        self._issue_lock = self._launching if thread_per_slot else None
+        self.thread_per_slot = thread_per_slot
+        extra = len(self.slots) - 1 if thread_per_slot else 0  # the first slot's thread is BatchRunner's own
         self._issuers = [threading.Thread(target=self._loop, name=f"runner-{model.name}-{i}", daemon=True)
-                         for i in range(1, len(self.slots) if thread_per_slot else 1)]
+                         for i in range(1, 1 + extra)]
         self.max_batch_ms: float | None = None  # compute time of one max batch, measured by warm_up
         self.one_row_ms: float | None = None  # and of one row
         self.copy_probe: dict[str, float | bool] = {}
@@ -231,8 +234,8 @@ class PipelineRunner(BatchRunner):
             if self.early and self.batcher.running > 1:
                 self._fill(slot, take)
                 continue
-            if self._issue_lock is not None:
-                self._launch(slot, take, issue_lock=self._issue_lock)
+            if self.thread_per_slot:
+                self._launch(slot, take, issue_lock=self._launching)
                 continue
             with self._launching:
                 self._launch(slot, take)
@@ -269,7 +272,7 @@ class PipelineRunner(BatchRunner):
         self._launched_batch(slot, works, rows, opened, issuing, filled=True)
 
     def _launch(self, slot: StreamSlot, take: Take[Work], watch: bool = False,
-                issue_lock: threading.Lock | None = None) -> None:
+                issue_lock: AbstractContextManager[object] | None = None) -> None:
         """(2)-(6) of one batch. The caller holds the launch lock, or passes it as ``issue_lock``, taken here
         after (3) only (``thread_per_slot``)."""
         if not self._opened(slot, take):
@@ -277,29 +280,22 @@ class PipelineRunner(BatchRunner):
         now = time.monotonic()
         works = take.batch
         self._queued(works)
-        held = None
-        try:
-            slot.start.record(slot.stream.handle)
-            works, rows = self._inputs_in(slot, works)  # (3)
-            if not works:  # every request was answered at (3)
-                slot.rows = 0
-                slot.stream.synchronize()  # what (3) queued on the stream, before the slot is reused
-                self._finished(slot)
+        with contextlib.ExitStack() as held:
+            try:
+                slot.start.record(slot.stream.handle)
+                works, rows = self._inputs_in(slot, works)  # (3)
+                if not works:  # every request was answered at (3)
+                    slot.rows = 0
+                    slot.stream.synchronize()  # what (3) queued on the stream, before the slot is reused
+                    self._finished(slot)
+                    return
+                if issue_lock is not None:
+                    held.enter_context(issue_lock)
+                self._compute_out(slot, works, rows)  # (4)-(6)
+            except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
+                self._abandon(slot, works, exc)
                 return
-            if issue_lock is not None:
-                issue_lock.acquire()
-                held = issue_lock
-            self._compute_out(slot, works, rows)  # (4)-(6)
-        except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
-            if held is not None:
-                held.release()
-            self._abandon(slot, works, exc)
-            return
-        try:
             self._launched_batch(slot, works, rows, now, now, filled=False, watch=watch)
-        finally:
-            if held is not None:
-                held.release()
 
     def _inputs_in(self, slot: StreamSlot, works: list[Work]) -> tuple[list[Work], int]:
         """(3) The batch's inputs into the slot's buffers, on its stream: the requests that go on to the engine
