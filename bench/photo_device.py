@@ -4,22 +4,19 @@ The model's runner as the worker builds it (``gpu_worker.models.photo_runner``: 
 stage and its stream slots), warmed up as the worker warms it. One thread takes the slots in turn, as the
 worker's runner thread does: it waits for a slot's previous batch, decodes and preprocesses a batch of encoded
 photos into the slot's engine input (``DevicePhotos.run_rows``, the stage a request's rows take), and launches
-the engine on it, so one slot's decode overlaps the other slots' computes. The second shape gives each slot a
-thread of its own, so that one slot's Python runs while another's decoder waits for the JPEG engines: the sweep
-keeps whichever is faster as the limit. CUDA events on each slot's stream time the stage and the engine on the
-device, so the figures say which of the two sets the limit.
+the engine on it, so one slot's decode overlaps the other slots' computes. CUDA events on each slot's stream
+time the stage and the engine on the device, so the figures say which of the two sets the limit.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from shmbroker.bench.common import BenchError
-from shmbroker.bench.photo_tally import Tally, batches, on_threads
+from shmbroker.bench.photo_tally import Tally, batches
 from shmbroker.gpu_worker import cuda
 from shmbroker.gpu_worker.devicephotos import DevicePhotoRunner
 from shmbroker.gpu_worker.streams import StreamSlot
@@ -27,48 +24,30 @@ from shmbroker.gpu_worker.streams import StreamSlot
 
 @dataclass
 class DeviceShape:
-    """The GPU worker's photo runner: ``instances`` is 1 (the slots overlap on the device), issued by one thread,
-    or with ``slot_threads`` by a thread per slot (``owner`` False: a second view of a runner another shape owns
-    and closes)."""
+    """The GPU worker's photo runner: ``instances`` is 1 (one thread issues, the slots overlap on the device)."""
 
     runner: DevicePhotoRunner
     instances: int = 1
     threads: int = 0
-    slot_threads: bool = False
-    owner: bool = True
     what = ("gpu_worker.devicephotos.DevicePhotoRunner (DevicePhotos.run_rows on each stream slot in turn, then "
             "the engine)")
 
     @property
     def name(self) -> str:
-        return f"{len(self.runner.slots)} stream slots" + (", a thread each" if self.slot_threads else "")
+        return f"{len(self.runner.slots)} stream slots"
 
     @property
     def decoder(self) -> str:
         return self.runner.stage.backend
 
     def window(self, images: Sequence[memoryview], b: int, seconds: float, min_runs: int) -> Tally:
-        """Batches of ``b`` back to back over the slots for ``seconds`` (at least ``min_runs`` in all);
-        ``decode_s`` and ``engine_s`` are the device's time in the stage and in the engine (events), summed over
-        batches."""
-        slots = self.runner.slots
-        groups = [[s] for s in slots] if self.slot_threads else [list(slots)]
-        tallies = [Tally() for _ in groups]
-        launched = itertools.count(1)  # batches launched by every thread; next() is atomic under the GIL
-        t0 = time.perf_counter()
-
-        def done() -> bool:
-            return next(launched) >= min_runs and time.perf_counter() - t0 >= seconds
-
-        return on_threads(lambda g: self._issue(groups[g], images, batches(len(images), b, g, len(groups)),
-                                                tallies[g], done), tallies, "bench-slot")
-
-    def _issue(self, slots: list[StreamSlot], images: Sequence[memoryview], plan: list[list[int]],
-               tally: Tally, done: Callable[[], bool]) -> None:
-        """One issuing thread: batches of ``plan`` into ``slots`` in turn, each slot's previous batch waited for
-        first, until ``done`` (asked once a batch is launched); then every slot's last batch collected."""
-        stage = self.runner.stage
+        """Batches of ``b`` back to back over the slots for ``seconds`` (at least ``min_runs``); ``decode_s`` and
+        ``engine_s`` are the device's time in the stage and in the engine (events), summed over batches."""
+        slots, stage = self.runner.slots, self.runner.stage
+        tally = Tally()
         pending = [False] * len(slots)  # a slot's batch launched and not yet collected
+        plan = batches(len(images), b, 0, 1)
+        t0, cpu0 = time.perf_counter(), time.process_time()
         k = 0
         while True:
             i = k % len(slots)
@@ -84,11 +63,14 @@ class DeviceShape:
             slot.computed.record(slot.stream)
             pending[i] = True
             k += 1
-            if done():
+            if time.perf_counter() - t0 >= seconds and k >= min_runs:
                 break
         for i, slot in enumerate(slots):
             if pending[i]:
                 self._collect(slot, tally)
+        tally.seconds = time.perf_counter() - t0
+        tally.cpu_s = time.process_time() - cpu0
+        return tally
 
     @staticmethod
     def _collect(slot: StreamSlot, tally: Tally) -> None:
@@ -99,9 +81,8 @@ class DeviceShape:
         tally.engine_s += cuda.elapsed_ms(slot.copied_in, slot.computed) / 1e3
 
     def close(self) -> None:
-        if self.owner:
-            self.runner.stop()
-            self.runner.engine.close()
+        self.runner.stop()
+        self.runner.engine.close()
 
 
 def device_shape(runner: Any) -> DeviceShape:

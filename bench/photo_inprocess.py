@@ -146,31 +146,12 @@ class Limit:
         except BaseException:
             self.close()
             raise
-        first = self.shapes[0]
-        if isinstance(first, DeviceShape) and len(first.runner.slots) > 1:
-            self.shapes.append(DeviceShape(first.runner, slot_threads=True, owner=False))
-        self.dropped: dict[str, str] = {}  # a shape that failed in the sweep: why
         self.best: tuple[Shape | DeviceShape, int] | None = None
         self.decoder = decoder_name(self.shapes[0], str(cfg.worker.devices[0]))
 
     def close(self) -> None:
         for shape in self.shapes:
             shape.close()
-
-    def _warm(self, images: Sequence[memoryview], batch_sizes: list[int], progress: Progress) -> None:
-        """Every shape's warm-up windows; a second shape that fails there is closed and leaves the sweep
-        (``dropped``, named in the figures), the first's failure is the sweep's."""
-        for shape in list(self.shapes):
-            try:
-                for b in batch_sizes:
-                    shape.window(images, b, 0.0, WARMUP_RUNS)
-            except Exception as exc:  # the shape is dropped and named; the first one's is raised
-                if shape is self.shapes[0]:
-                    raise
-                self.dropped[shape.name] = f"{type(exc).__name__}: {exc}"
-                self.shapes.remove(shape)
-                shape.close()
-                progress.note(f"shape {shape.name!r} dropped from the sweep: {self.dropped[shape.name]}")
 
     def __enter__(self) -> Limit:
         return self
@@ -186,8 +167,10 @@ class Limit:
               progress: Progress) -> Figures:
         """``duration_s`` of back-to-back batches per shape and batch size, in rounds; the best images/s wins and
         is what ``measure`` runs."""
-        self._warm(images, batch_sizes, progress)
         tallies = {(s.name, b): Tally() for s in self.shapes for b in batch_sizes}
+        for shape in self.shapes:
+            for b in batch_sizes:
+                shape.window(images, b, 0.0, WARMUP_RUNS)
         rounds = max(1, round(duration_s / ROUND_S))
         for r in range(rounds):
             last = r == rounds - 1
@@ -207,8 +190,7 @@ class Limit:
         self.best = (shape, int(best_b))
         return {"model": self.model, "runner": self.shapes[0].what,
                 "decoder": self.decoder, "batch_sizes": batch_sizes, "duration_s_per_batch_size": duration_s,
-                "rounds": rounds, "by_shape": by_shape, "dropped": self.dropped, "best_shape": best_name,
-                "best_batch": int(best_b),
+                "rounds": rounds, "by_shape": by_shape, "best_shape": best_name, "best_batch": int(best_b),
                 "items_per_s": by_shape[best_name][best_b]["items_per_s"]}
 
     def measure(self, images: Sequence[memoryview], seconds: float) -> Figures:

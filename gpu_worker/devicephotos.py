@@ -359,9 +359,8 @@ class DevicePhotoRunner(PipelineRunner):
     watches_ends = False
 
     def __init__(self, model: ModelView, engine: DeviceEngine, batcher: Batcher[Work], counters: ModelCounters,
-                 streams: int, stage: DevicePhotos, thread_per_slot: bool = False) -> None:
-        """``thread_per_slot``: ``models.NAME.thread_per_slot``, a runner thread per stream slot."""
-        super().__init__(model, engine, batcher, counters, streams, thread_per_slot=thread_per_slot)
+                 streams: int, stage: DevicePhotos) -> None:
+        super().__init__(model, engine, batcher, counters, streams)
         self.early = False
         if self.plan is not None:
             self.plan.lead_rows = 0  # a batch's rows reach the device together, through the stage

@@ -83,9 +83,6 @@ def photo_runner(view: ModelView, engine: Engine, batcher: Batcher[Work], mc: Mo
     on a GPU worker by the device stage into the engine's input."""
     if is_device_engine(engine):
         return device_photo_runner(view, cast("DeviceEngine", engine), batcher, mc)
-    if mc.thread_per_slot:
-        raise EngineError(f"models.{view.name}.thread_per_slot: a CPU worker has no stream slots; its decoding "
-                          f"threads are models.{view.name}.instances: drop the key")
     decoder = None
     counters = ModelCounters()
     if mc.input == P.InputKind.IMAGE:
@@ -119,8 +116,7 @@ def device_photo_runner(view: ModelView, engine: DeviceEngine, batcher: Batcher[
                             mc.frame_shape if mc.input == P.InputKind.FRAMES else (), decoder=mc.gpu_decoder)
     except ValueError as exc:
         raise EngineError(str(exc)) from None
-    return DevicePhotoRunner(view, engine, batcher, ModelCounters(), mc.streams, stage,
-                             thread_per_slot=mc.thread_per_slot)
+    return DevicePhotoRunner(view, engine, batcher, ModelCounters(), mc.streams, stage)
 
 
 def make_runner(model: ModelView, engine: Engine, batcher: Batcher[Work], streams: int,

@@ -22,13 +22,11 @@ the rings are registered once per session (``WorkerSession.ensure_registered``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
 import threading
 import time
-from contextlib import AbstractContextManager
 
 from shmbroker.broker.common import proc
 from shmbroker.broker.common import protocol as P
@@ -65,11 +63,9 @@ class PipelineRunner(BatchRunner):
     watches_ends = True
 
     def __init__(self, model: ModelView, engine: DeviceEngine, batcher: Batcher[Work], counters: ModelCounters,
-                 streams: int, batched_copies: bool = BATCHED_COPIES, thread_per_slot: bool = False) -> None:
+                 streams: int, batched_copies: bool = BATCHED_COPIES) -> None:
         """How batches share the device is the batcher's policy (``BatchPolicy``: ``serial_compute``,
-        ``fill_while_busy``, ``early_copies``). ``thread_per_slot``: a runner thread per stream slot, each
-        preparing its batch's inputs (3) outside the launch lock, which then covers (4)-(6) alone (for a step (3)
-        that waits on the host, as a decoder does)."""
+        ``fill_while_busy``, ``early_copies``)."""
         super().__init__(model, engine, batcher, counters)
         policy = batcher.policy
         self.device_engine = engine
@@ -107,10 +103,6 @@ class PipelineRunner(BatchRunner):
             raise
         for slot in self.slots:
             self._free.put(slot)
-        self.thread_per_slot = thread_per_slot
-        extra = len(self.slots) - 1 if thread_per_slot else 0  # the first slot's thread is BatchRunner's own
-        self._issuers = [threading.Thread(target=self._loop, name=f"runner-{model.name}-{i}", daemon=True)
-                         for i in range(1, 1 + extra)]
         self.max_batch_ms: float | None = None  # compute time of one max batch, measured by warm_up
         self.one_row_ms: float | None = None  # and of one row
         self.copy_probe: dict[str, float | bool] = {}
@@ -157,11 +149,6 @@ class PipelineRunner(BatchRunner):
             self._tell_batcher([])
         self._completer.start()
         super().start()
-        for t in self._issuers:
-            t.start()
-
-    def _threads(self) -> list[threading.Thread]:
-        return [self._thread, *self._issuers]
 
     def _tell_batcher(self, sizes: list[int]) -> None:
         """The batcher's device bound: the engine's prepared batch sizes."""
@@ -172,9 +159,8 @@ class PipelineRunner(BatchRunner):
         """Stop launching, let every launched batch complete and be answered, answer the queue, free the slots."""
         self._stop.set()
         left = self.batcher.close()
-        for t in self._threads():
-            if t.is_alive():
-                t.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
         self.unwatch()
         self._launched.put(None)
         if self._completer.is_alive():
@@ -220,7 +206,7 @@ class PipelineRunner(BatchRunner):
 
     # -- runner thread -------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        proc.name_thread(threading.current_thread().name)
+        proc.name_thread(self._thread.name)
         self._use_device()
         while not self._stop.is_set():
             try:
@@ -233,9 +219,6 @@ class PipelineRunner(BatchRunner):
                 continue
             if self.early and self.batcher.running > 1:
                 self._fill(slot, take)
-                continue
-            if self.thread_per_slot:
-                self._launch(slot, take, issue_lock=self._launching)
                 continue
             with self._launching:
                 self._launch(slot, take)
@@ -271,31 +254,25 @@ class PipelineRunner(BatchRunner):
             return
         self._launched_batch(slot, works, rows, opened, issuing, filled=True)
 
-    def _launch(self, slot: StreamSlot, take: Take[Work], watch: bool = False,
-                issue_lock: AbstractContextManager[object] | None = None) -> None:
-        """(2)-(6) of one batch. The caller holds the launch lock, or passes it as ``issue_lock``, taken here
-        after (3) only (``thread_per_slot``)."""
+    def _launch(self, slot: StreamSlot, take: Take[Work], watch: bool = False) -> None:
         if not self._opened(slot, take):
             return
         now = time.monotonic()
         works = take.batch
         self._queued(works)
-        with contextlib.ExitStack() as held:
-            try:
-                slot.start.record(slot.stream.handle)
-                works, rows = self._inputs_in(slot, works)  # (3)
-                if not works:  # every request was answered at (3)
-                    slot.rows = 0
-                    slot.stream.synchronize()  # what (3) queued on the stream, before the slot is reused
-                    self._finished(slot)
-                    return
-                if issue_lock is not None:
-                    held.enter_context(issue_lock)
-                self._compute_out(slot, works, rows)  # (4)-(6)
-            except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
-                self._abandon(slot, works, exc)
+        try:
+            slot.start.record(slot.stream.handle)
+            works, rows = self._inputs_in(slot, works)  # (3)
+            if not works:  # every request was answered at (3)
+                slot.rows = 0
+                slot.stream.synchronize()  # what (3) queued on the stream, before the slot is reused
+                self._finished(slot)
                 return
-            self._launched_batch(slot, works, rows, now, now, filled=False, watch=watch)
+            self._compute_out(slot, works, rows)  # (4)-(6)
+        except Exception as exc:  # noqa: BLE001 - a failed launch fails its batch (logged), not the worker
+            self._abandon(slot, works, exc)
+            return
+        self._launched_batch(slot, works, rows, now, now, filled=False, watch=watch)
 
     def _inputs_in(self, slot: StreamSlot, works: list[Work]) -> tuple[list[Work], int]:
         """(3) The batch's inputs into the slot's buffers, on its stream: the requests that go on to the engine

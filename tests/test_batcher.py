@@ -155,7 +155,7 @@ def test_a_sleeping_take_is_woken_by_put() -> None:
 def test_two_batches_due_at_once_wake_two_sleeping_takers() -> None:
     b = _batcher(max_batch=2)
     (t1, out1), (t2, out2) = _take_in_thread(b, timeout=30.0), _take_in_thread(b, timeout=30.0)
-    _wait_until_sleeping(b, 2)  # both asleep on an empty queue (a runner thread per stream slot)
+    _wait_until_sleeping(b, 2)  # both asleep on an empty queue (a CPU model's instances' runner threads)
     b.put_many([_entry(n) for n in "abcd"], wake=True)  # one notify for two due batches
     t1.join(20.0)
     t2.join(20.0)  # well before their own 30 s timeouts: the first taker woke the second

@@ -3,7 +3,6 @@ slots and their events (a unit with no process boundary); tests/gpu runs it on a
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,10 +47,8 @@ class _Stage:
     log: list[str]
     bad: dict[int, str] = field(default_factory=dict)
     backend: str = "stand-in"
-    threads: dict[int, set[str]] = field(default_factory=dict)  # the threads that ran each slot's batches
 
     def run_rows(self, rows: list[memoryview], slot: _Slot) -> tuple[int, dict[int, str]]:
-        self.threads.setdefault(slot.index, set()).add(threading.current_thread().name)
         self.log.append(f"stage {slot.index} x{len(rows)}")
         return len(rows) - len(self.bad), self.bad
 
@@ -98,25 +95,3 @@ def test_a_photo_that_does_not_decode_stops_the_measurement_naming_it() -> None:
     log: list[str] = []
     with pytest.raises(BenchError, match="a photo of the set does not decode: row 0: corrupt JPEG"):
         _shape(log, bad={0: "row 0: corrupt JPEG"}).window([memoryview(b"x")] * 4, 2, 0.0, 1)
-
-
-def test_with_a_thread_per_slot_each_slot_is_issued_by_its_own_thread_and_waited_for() -> None:
-    log: list[str] = []
-    stage = _Stage(log)
-    threaded = DeviceShape(_Runner([_Slot(i, log) for i in range(2)], stage),  # type: ignore[arg-type]
-                           slot_threads=True, owner=False)
-    assert threaded.name == "2 stream slots, a thread each"
-    tally = threaded.window([memoryview(bytes([i])) for i in range(10)], 4, 0.0, 6)
-    assert tally.runs >= 6 and tally.engine_s == pytest.approx(tally.runs * 0.005)
-    assert len(stage.threads[0]) == len(stage.threads[1]) == 1  # one thread a slot, each its own
-    assert stage.threads[0] != stage.threads[1]
-    pending = {"0": False, "1": False}  # each slot's batch waited for before its next, and at the end
-    for line in log:
-        word, slot = line.split()[:2]
-        if word == "stage":
-            assert not pending[slot], log
-        elif word == "engine":
-            pending[slot] = True
-        elif word == "wait":
-            pending[slot[-1]] = False
-    assert not any(pending.values()), log

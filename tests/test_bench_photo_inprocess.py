@@ -64,27 +64,6 @@ def test_a_sweep_picks_a_measured_shape_and_batch_and_measures_it() -> None:
         assert window["batch"] == sweep["best_batch"] and window["per_s"] > 0 and window["runs"] >= 3
 
 
-def test_a_second_shape_that_fails_leaves_the_sweep_named_and_the_first_is_measured(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = config.load(config.DEFAULT_CONFIG)
-    photos = _jpegs(2)
-    with Limit(cfg, MODEL) as limit:
-        if len(limit.shapes) < 2:
-            limit.shapes.append(load_shape(cfg, MODEL, 1, 1))
-        first, second = limit.shapes[:2]
-
-        def broken(*_args: object) -> None:
-            raise RuntimeError("the device refused")
-
-        monkeypatch.setattr(second, "window", broken)
-        sweep = limit.sweep(photos, [1], 0.01, Progress(io.StringIO()))
-        assert sweep["dropped"] == {second.name: "RuntimeError: the device refused"}
-        assert list(sweep["by_shape"]) == [first.name] and sweep["best_shape"] == first.name
-        monkeypatch.setattr(first, "window", broken)
-        with pytest.raises(RuntimeError, match="the device refused"):  # the first shape's failure is the sweep's
-            limit.sweep(photos, [1], 0.01, Progress(io.StringIO()))
-
-
 def test_a_photo_that_does_not_decode_fails_the_window_naming_it() -> None:
     cfg = config.load(config.DEFAULT_CONFIG)
     shape = load_shape(cfg, MODEL, 1, 1)

@@ -110,13 +110,6 @@ def test_the_replaced_idle_dispatch_key_names_batching_and_its_value(tmp_path: P
     assert "key 'models.m.idle_dispatch'" in msg and "models.m.batching" in msg and f"batching = {new}" in msg
 
 
-def test_a_thread_per_slot_is_a_key_of_models_of_images_or_frames_only() -> None:
-    msg = _error(_model(thread_per_slot=True))
-    assert "key 'models.m.thread_per_slot'" in msg and 'input "image" or "frames"' in msg
-    m = C.parse(_model(thread_per_slot=True, input="image", preprocess="opennsfw")).models["m"]
-    assert m.thread_per_slot and not C.parse(_model(input="image", preprocess="opennsfw")).models["m"].thread_per_slot
-
-
 def test_early_copies_without_filling_names_both_keys() -> None:
     msg = _error(_model(early_copies=True, fill_while_busy=False))
     assert "key 'models.m.early_copies'" in msg and "fill_while_busy = true" in msg

@@ -19,7 +19,7 @@ from shmbroker.gpu_worker.devicedecoders import DECODERS, NoDecoder, open_decode
 from shmbroker.gpu_worker.devicephotos import CudaArray, chunks, engine_layout, group_by_size
 from shmbroker.gpu_worker.engines.base import EngineError, IOSpec
 from shmbroker.gpu_worker.intake import ModelView, Photos
-from shmbroker.gpu_worker.models import device_photo_runner, photo_runner
+from shmbroker.gpu_worker.models import device_photo_runner
 
 
 def test_images_group_by_size_in_first_seen_order() -> None:
@@ -112,14 +112,3 @@ def test_model_stats_name_the_decoder_and_read_old_replies() -> None:
     assert msgspec.json.decode(msgspec.json.encode(stats), type=P.ModelStats).decoder == "nvjpeg on cuda:0"
     old = b'{"name":"m","requests":{},"batches":0,"batch_items":{},"queue_depth":0}'
     assert msgspec.json.decode(old, type=P.ModelStats).decoder == ""
-
-
-def test_a_cpu_worker_refuses_a_thread_per_slot_naming_its_own_key() -> None:
-    mc = ModelSection(path="m.onnx", input="image", preprocess="opennsfw", thread_per_slot=True)
-    view = ModelView(0, "nsfw_photo", 8, [IOSpec("image", np.dtype(np.uint8), (-1,))], _DeviceEngine.outputs, 1000,
-                     Photos(P.InputKind.IMAGE, mc.max_image_bytes, mc.max_image_pixels, "opennsfw"))
-    host_engine = object()  # not a device engine: the CPU worker's builder, refused before it is used
-    with pytest.raises(EngineError, match=r"models\.nsfw_photo\.thread_per_slot: a CPU worker has no stream slots; "
-                                          r"its decoding threads are models\.nsfw_photo\.instances"):
-        photo_runner(view, host_engine, Batcher(BatchPolicy.from_config(mc, device=False)), mc,  # type: ignore[arg-type]
-                     None)

@@ -123,10 +123,6 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # input "image" on a GPU worker: the JPEG decoder, a name of gpu_worker/devicedecoders.py's DECODERS; "" takes
     # the first of them that works on the device
     gpu_decoder: str = ""
-    # input "image" or "frames" on a GPU worker: each stream slot's batches are decoded and launched by a thread of
-    # its own, so that one slot's Python runs while another's decoder waits for the JPEG engines
-    # (bench/RESULTS.md#photos-with-the-rings-page-locked)
-    thread_per_slot: bool = False
     frame_shape: list[Annotated[int, Meta(ge=1, le=65536)]] = msgspec.field(default_factory=list)  # [H, W]
 
 
@@ -216,9 +212,6 @@ def _check(cfg: Config, source: str) -> None:
             raise ConfigError(f"{source}: key 'models.{name}.early_copies': a batch fills on the device only until the "
                               "device needs it, so it needs fill_while_busy = true (or drop early_copies)")
         _check_input(name, m, source)
-        if m.thread_per_slot and m.input == InputKind.TENSOR:
-            raise ConfigError(f"{source}: key 'models.{name}.thread_per_slot': only a model of images or frames "
-                              "(input \"image\" or \"frames\") decodes on a slot's thread; drop the key")
         too_big = [b for b in m.preferred_batch_sizes if b > m.max_batch]
         if too_big:
             raise ConfigError(
