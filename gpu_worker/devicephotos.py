@@ -35,7 +35,7 @@ from shmbroker.gpu_worker.batcher import Batcher
 from shmbroker.gpu_worker.devicedecoders import DECODERS, DeviceDecoder, NoDecoder, open_decoder
 from shmbroker.gpu_worker.devicerecipe import DeviceRecipe
 from shmbroker.gpu_worker.engines.base import DeviceEngine, EngineError
-from shmbroker.gpu_worker.finishgraphs import FinishGraphs
+from shmbroker.gpu_worker.finishgraphs import FinishGraphs, FusedFinish
 from shmbroker.gpu_worker.imageheader import JPEG, Header, read_header
 from shmbroker.gpu_worker.intake import ModelView, image_rows
 from shmbroker.gpu_worker.photos import PRESETS, ImageError, pillow_decode
@@ -131,6 +131,7 @@ class DevicePhotos:
         self.nchw = engine_layout(preset, engine_shape, model.name)
         self.recipe = DeviceRecipe(preset, self.nchw, torch, lambda a: torch.as_tensor(a, device=self.device))
         self._finish_rows = max(1, CHUNK_PIXELS // (self.recipe.size * self.recipe.size))
+        self._finish = FusedFinish(torch, self.recipe)  # compiled at the first slot's warm-up, shared
         self.backend = f"{self.decoder.backend}; PNG and CMYK on the worker's CPU (Pillow)"
         self._streams: dict[int, Any] = {}
         self._outs: dict[int, Any] = {}
@@ -325,7 +326,7 @@ class DevicePhotos:
         out = self._out(slot)
         for start in range(0, len(images), self._finish_rows):
             end = min(len(images), start + self._finish_rows)
-            out[start:end] = self.recipe.finish(crops[start:end]).to(torch.float32)
+            out[start:end] = self._finish(crops[start:end])
 
     def warm_up(self, slot: StreamSlot) -> float:
         """Decode and preprocess one small image on the slot's stream (the first call of each sets up its
@@ -345,7 +346,8 @@ class DevicePhotos:
             slot.stream.synchronize()
             took = time.perf_counter() - t0
             self._graphs[slot.index] = FinishGraphs(torch, self.recipe, self._out(slot),
-                                                    min(self.model.max_batch, self._finish_rows), self.device)
+                                                    min(self.model.max_batch, self._finish_rows), self.device,
+                                                    self._finish)
         slot.stream.synchronize()
         return took
 

@@ -4,6 +4,10 @@ slot's engine input, so a batch costs the host one graph launch instead of the r
 kernels, which held the worker's runner thread
 (bench/RESULTS.md#photos-nvimagecodecs-threads-and-the-finish-step).
 
+The graphs replay ``FusedFinish``: the recipe compiled by TorchInductor, its elementwise float64 steps fused
+into a few kernels. Eager, they read and write the whole batch once per step, and at small photos that GPU
+time, not the decoder, set the stage's rate (bench/RESULTS.md#the-photo-stage-on-the-gpu-step-by-step).
+
 A batch of ``n`` rows replays the smallest bucket that holds them: the rows past ``n`` recompute whatever the
 buffer held (finite: zeros, or an earlier batch's crops) into engine rows that the batch does not use.
 """
@@ -11,9 +15,40 @@ buffer held (finite: zeros, or an earlier batch's crops) into engine rows that t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+class FusedFinish:
+    """``__call__(crops)``: ``recipe.finish(crops)`` as float32, through ``torch.compile`` (one compile for every
+    row count, at the first call); the eager recipe where the compiler fails, said once in the log. Both give the
+    same rows: each step is integer arithmetic, exact in float64, or one correctly rounded division
+    (gpu_worker/devicerecipe.py), so fusing them changes no value (tests/gpu/test_finishgraphs.py, bit for bit)."""
+
+    def __init__(self, torch: Any, recipe: Any) -> None:
+        self._eager: Callable[[Any], Any] = lambda crops: recipe.finish(crops).to(torch.float32)
+        self._compiled: Callable[[Any], Any] | None = torch.compile(self._eager, dynamic=True, fullgraph=True)
+        self._primed = False
+
+    @property
+    def compiled(self) -> bool:
+        """Whether calls go through the compiled function (False once it failed)."""
+        return self._compiled is not None
+
+    def __call__(self, crops: Any) -> Any:
+        if not self._primed:  # the recipe caches its constants at its first call: eager, so none is traced
+            self._eager(crops)
+            self._primed = True
+        if self._compiled is not None:
+            try:
+                return self._compiled(crops)
+            except Exception as exc:  # noqa: BLE001 - the compiler's errors share no base class but Exception
+                log.warning("the photo recipe's finish step runs eager: torch.compile failed (%s: %s)",
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                self._compiled = None
+        return self._eager(crops)
 
 
 def buckets(rows: int) -> list[int]:
@@ -30,16 +65,20 @@ class FinishGraphs:
     """``crops[:n]`` (float64 [rows, 3, size, size], the slot's static buffer), then ``run(n)``: the recipe's
     ``finish`` of those rows into ``out[:n]`` (float32), queued on the current stream."""
 
-    def __init__(self, torch: Any, recipe: Any, out: Any, rows: int, device: Any) -> None:
+    def __init__(self, torch: Any, recipe: Any, out: Any, rows: int, device: Any,
+                 finish: Callable[[Any], Any] | None = None) -> None:
         """``out``: the slot's engine input, [max_batch, ...] float32 on ``device``; ``rows`` at most its
-        rows. Captures every bucket now (the caller's current stream and device are the slot's)."""
+        rows; ``finish``: crops to float32 rows (``FusedFinish``, shared by a stage's slots), the eager recipe
+        if None. Captures every bucket now (the caller's current stream and device are the slot's)."""
         self.rows = rows
         self.crops = torch.zeros((rows, 3, recipe.size, recipe.size), dtype=torch.float64, device=device)
         self._graphs: dict[int, Any] = {}
         pool = torch.cuda.graph_pool_handle()  # the buckets never run at once: one pool for their temporaries
 
+        rows_of = finish if finish is not None else (lambda crops: recipe.finish(crops).to(torch.float32))
+
         def step(b: int) -> None:
-            out[:b] = recipe.finish(self.crops[:b]).to(torch.float32)
+            out[:b] = rows_of(self.crops[:b])
 
         for b in reversed(buckets(rows)):  # the largest first: it sizes the shared pool
             step(b)  # outside capture first: the recipe uploads its constants for this size then
