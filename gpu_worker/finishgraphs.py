@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 class FusedFinish:
     """``__call__(crops)``: ``recipe.finish(crops)`` as float32, through ``torch.compile`` (one compile for every
-    row count, at the first call); the eager recipe where the compiler fails, said once in the log. Both give the
+    row count from 2, at the first such call: a lone row runs eager, since PyTorch would compile the whole graph
+    again for a size of 1); the eager recipe where the compiler fails, said once in the log. Both give the
     same rows: each step is integer arithmetic, exact in float64, or one correctly rounded division
     (gpu_worker/devicerecipe.py), so fusing them changes no value (tests/gpu/test_finishgraphs.py, bit for bit)."""
 
@@ -41,7 +42,7 @@ class FusedFinish:
         if not self._primed:  # the recipe caches its constants at its first call: eager, so none is traced
             self._eager(crops)
             self._primed = True
-        if self._compiled is not None:
+        if self._compiled is not None and crops.shape[0] > 1:
             try:
                 return self._compiled(crops)
             except Exception as exc:  # noqa: BLE001 - the compiler's errors share no base class but Exception

@@ -4,6 +4,7 @@ compiled rows: tests/gpu/test_finishgraphs.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -16,6 +17,17 @@ def test_buckets_are_powers_of_two_then_the_rows() -> None:
     assert buckets(1) == [1]
     assert buckets(12) == [1, 2, 4, 8, 12]
     assert buckets(16) == [1, 2, 4, 8, 16]
+
+
+@dataclasses.dataclass(frozen=True)
+class Crops:
+    """A batch of ``n`` crops, as FusedFinish sees it (its shape)."""
+
+    n: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.n, 3, 224, 224)
 
 
 class Rows:
@@ -54,8 +66,8 @@ def test_a_failing_compile_falls_back_to_the_eager_recipe_once(caplog: pytest.Lo
     torch, recipe = FailingCompiler(), Recipe()
     fused = FusedFinish(torch, recipe)
     with caplog.at_level(logging.WARNING, logger="shmbroker.gpu_worker.finishgraphs"):
-        assert fused(1) == ("rows", 1, "float32")
-        assert fused(2) == ("rows", 2, "float32")
+        assert fused(Crops(4)) == ("rows", Crops(4), "float32")
+        assert fused(Crops(2)) == ("rows", Crops(2), "float32")
     assert not fused.compiled and torch.compiled_calls == 1
     warnings = [r.getMessage() for r in caplog.records]
     assert warnings == ["the photo recipe's finish step runs eager: torch.compile failed "
@@ -72,10 +84,11 @@ class WorkingCompiler(FailingCompiler):
         return compiled
 
 
-def test_the_compiled_function_serves_every_call_after_one_eager_priming() -> None:
+def test_the_compiled_function_serves_every_batch_of_two_rows_or_more() -> None:
     torch, recipe = WorkingCompiler(), Recipe()
     fused = FusedFinish(torch, recipe)
-    assert [fused(n) for n in (1, 5, 5)] == [("rows", n, "float32") for n in (1, 5, 5)]
-    assert fused.compiled and torch.compiled_calls == 3
-    assert recipe.calls == 4  # the priming call, then one a call through the compiled function
+    sizes = (1, 5, 1, 2)
+    assert [fused(Crops(n)) for n in sizes] == [("rows", Crops(n), "float32") for n in sizes]
+    assert fused.compiled and torch.compiled_calls == 2  # 5 and 2; a lone row runs eager
+    assert recipe.calls == 5  # the priming call, then one a call
     assert torch.kwargs == {"dynamic": True, "fullgraph": True}
