@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ import zmq
 from shmbroker.broker.common import liveness, runtime
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.handout import HandoutError, fetch_ring
-from shmbroker.broker.common.ring import RingLayout, Segment
+from shmbroker.broker.common.ring import RingLayout, Segment, check_span
 from shmbroker.client.errors import HandshakeError, NoBroker
 
 GRACE_S = 2.0  # how long past its deadline a request may stay unanswered before the client gives up
@@ -69,17 +68,22 @@ class ModelPlan:
 
     def image_views(self, segment: Segment, slot: int, images: np.ndarray, outs: tuple[np.ndarray, ...]) -> SlotViews:
         """Write ``images`` (encoded, one a row) into the slot's input region as PROTOCOL 5.4 lays them out: the
-        row table, then the images in order; the views of this one request, its descriptor its own."""
+        row table, then the images in order; the views of this one request, its descriptor its own. RingError
+        if they overflow the region. Each piece goes in with one memoryview copy and the layout is built field
+        by field, not through NumPy views and ``dataclasses.replace``: this runs for every photo sent."""
         rows = len(images)
         table, offsets = P.pack_image_table([len(b) for b in images])
-        region = segment.input_view(slot, 0, np.dtype(np.uint8), (segment.layout.in_capacity,))
-        region[: len(table)] = np.frombuffer(table, np.uint8)
-        for off, data in zip(offsets, images, strict=True):
-            region[off : off + len(data)] = np.frombuffer(data, np.uint8)
         total = offsets[-1] + len(images[-1])
+        check_span("images", 0, total, segment.layout.in_capacity)
+        buf, base = segment.buf, segment.layout.input_bases[slot]
+        buf[base : base + len(table)] = table
+        for off, data in zip(offsets, images, strict=True):
+            buf[base + off : base + off + len(data)] = data
         desc = P.TensorDesc(0, int(P.DType.UINT8), 0, total, (rows,))
-        lay = dataclasses.replace(self.layout(rows), in_descs=[desc], in_desc_bytes=P.pack_tensor(desc),
-                                  in_nbytes=[total])
+        canon = self.layout(rows)
+        lay = P.CanonicalRows(rows=rows, in_descs=[desc], in_desc_bytes=P.pack_tensor(desc),
+                              in_offsets=canon.in_offsets, in_nbytes=[total], out_descs=canon.out_descs,
+                              out_desc_bytes=canon.out_desc_bytes, out_offsets=canon.out_offsets, ok=canon.ok)
         return SlotViews(rows, lay, (), outs, segment)
 
     def input_offsets(self, rows: int) -> list[int]:
