@@ -24,9 +24,11 @@ log = logging.getLogger(__name__)
 class FusedFinish:
     """``__call__(crops)``: ``recipe.finish(crops)`` as float32, through ``torch.compile`` (one compile for every
     row count from 2, at the first such call: a lone row runs eager, since PyTorch would compile the whole graph
-    again for a size of 1); the eager recipe where the compiler fails, said once in the log. Both give the
-    same rows: each step is integer arithmetic, exact in float64, or one correctly rounded division
-    (gpu_worker/devicerecipe.py), so fusing them changes no value (tests/gpu/test_finishgraphs.py, bit for bit)."""
+    again for a size of 1); the eager recipe where the compiler fails, said once in the log. The opennsfw
+    preset's rows are the eager ones bit for bit: each step is integer arithmetic, exact in float64, or one
+    correctly rounded division (gpu_worker/devicerecipe.py), so fusing changes no value; imagenet's
+    normalisation, a multiply and add by inexact constants, may become one fused multiply-add, within a float32
+    unit of the last place (tests/gpu/test_finishgraphs.py)."""
 
     def __init__(self, torch: Any, recipe: Any) -> None:
         self._eager: Callable[[Any], Any] = lambda crops: recipe.finish(crops).to(torch.float32)

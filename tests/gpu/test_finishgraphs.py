@@ -1,6 +1,7 @@
-"""gpu_worker/finishgraphs.py on a CUDA device: the captured ``finish``, compiled by TorchInductor, gives exactly
-the eager recipe's rows, for a batch of any size up to the slot's rows, whatever an earlier, larger batch left
-in the buffers. Skipped without a CUDA device or torch (CI)."""
+"""gpu_worker/finishgraphs.py on a CUDA device: the captured ``finish``, compiled by TorchInductor, gives the
+eager recipe's rows (opennsfw's exactly; imagenet's within a float32 unit of the last place, FusedFinish), for a
+batch of any size up to the slot's rows, whatever an earlier, larger batch left in the buffers. Skipped without
+a CUDA device or torch (CI)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ def test_the_graphs_give_the_recipes_rows(preset: str, nchw: bool) -> None:
             want = recipe.finish(x).to(torch.float32)
             stream.synchronize()
             got = out[:n]
-            assert torch.equal(got, want), (n, float((got - want).abs().max()))
+            if preset == "opennsfw":
+                assert torch.equal(got, want), (n, float((got - want).abs().max()))
+            else:
+                torch.testing.assert_close(got, want, rtol=2**-23, atol=0)
             assert np.isfinite(out.cpu().numpy()).all()
 
 
