@@ -1,12 +1,13 @@
 """(b) and (c) of the photo bench: client processes that send photographs through the broker.
 
 (b) ``encoded_client`` (``encoded_rounds_client``: one window per round): ``in_flight`` chains of
-``Client.call`` (bench/gpu_load.py's), each request one photo's file bytes as they are on disk, the photos taken
-in turn; the worker decodes them. (c) ``pillow_client``: ``in_flight`` threads, each decoding and preprocessing
-the next photo with Pillow (the model's recipe, Pillow's DCT draft mode to the preset's decode size, as the
-worker's decoder scales) and sending the float32 row to the tensor model with ``Client.infer``, as an
-application that prepares its inputs itself does; a request is timed from the start of its decode. Both report
-bench/gpu_load.py's figures (answers in the window, their times, the process's CPU time).
+``Client.call`` (bench/gpu_load.py's), each request one photo's file bytes as they are on disk (or a list of
+``photos_per_request`` of them), the photos taken in turn; the worker decodes them. (c) ``pillow_client``:
+``in_flight`` threads, each decoding and preprocessing the next photo with Pillow (the model's recipe, Pillow's
+DCT draft mode to the preset's decode size, as the worker's decoder scales) and sending the float32 row to the
+tensor model with ``Client.infer``, as an application that prepares its inputs itself does; a request is timed
+from the start of its decode. Both report bench/gpu_load.py's figures (answers in the window, their times, the
+process's CPU time).
 """
 
 from __future__ import annotations
@@ -28,15 +29,20 @@ from shmbroker.gpu_worker.photos import PRESETS
 
 
 class PhotoChains(gpu_load.Chains):
-    """``Client.call`` chains whose requests carry the photos' bytes in turn, from ``start`` on."""
+    """``Client.call`` chains whose requests carry the photos' bytes in turn, from ``start`` on: one photo a
+    request, or a list of ``per_request`` photos (the figures count requests; the bench divides them)."""
 
-    def __init__(self, client: Client, model: str, photos: list[bytes], start: int, n: int) -> None:
+    def __init__(self, client: Client, model: str, photos: list[bytes], start: int, n: int,
+                 per_request: int = 1) -> None:
         super().__init__(client, model, photos[0], 0.0, 0.0, n)
         self.photos = photos
+        self.per_request = per_request
         self.cursor = itertools.count(start)  # next() of a count is atomic under the GIL
 
     def inputs(self) -> Any:
-        return self.photos[next(self.cursor) % len(self.photos)]
+        if self.per_request == 1:
+            return self.photos[next(self.cursor) % len(self.photos)]
+        return [self.photos[next(self.cursor) % len(self.photos)] for _ in range(self.per_request)]
 
 
 Recipe = Callable[[Image.Image], np.ndarray]
@@ -88,18 +94,21 @@ def _start(spec: dict[str, Any], photos: list[bytes]) -> int:
     return int(spec["index"]) * len(photos) // max(1, int(spec.get("processes", 1)))
 
 
+def _chains(spec: dict[str, Any], photos: list[bytes]) -> Callable[[Client], PhotoChains]:
+    return lambda c: PhotoChains(c, spec["model"], photos, _start(spec, photos), spec["in_flight"],
+                                 int(spec.get("photos_per_request", 1)))
+
+
 def encoded_client(spec: dict[str, Any], sync: Sync) -> Figures:
     """(b): one process of ``in_flight`` ``Client.call`` chains sending the photos' file bytes."""
     photos = _photos(spec)
-    return gpu_load.drive(spec, sync, lambda c: PhotoChains(c, spec["model"], photos, _start(spec, photos),
-                                                            spec["in_flight"]))
+    return gpu_load.drive(spec, sync, _chains(spec, photos))
 
 
 def encoded_rounds_client(spec: dict[str, Any], sync: Sync) -> Figures:
     """(b) in rounds: one window of ``encoded_client``'s chains per round, on the bench's round barrier."""
     photos = _photos(spec)
-    return gpu_load.drive_rounds(spec, sync, lambda c: PhotoChains(c, spec["model"], photos, _start(spec, photos),
-                                                                   spec["in_flight"]))
+    return gpu_load.drive_rounds(spec, sync, _chains(spec, photos))
 
 
 def pillow_client(spec: dict[str, Any], sync: Sync) -> Figures:

@@ -118,7 +118,9 @@ def table(doc: Figures) -> str:
     mach = doc["machine"]
     lines = [f"shmbroker bench --photos  {doc['date']}  {mach['cpu_model']}, {mach['cpu_count']} CPUs"
              + (f", {mach['gpu']}" if mach.get("gpu") else "") + f"; decoder {doc.get('decoder', '-')}",
-             f"{doc['settings']['processes']} client processes x {doc['settings']['in_flight']} in flight; "
+             f"{doc['settings']['processes']} client processes x {doc['settings']['in_flight']} in flight"
+             + (f" ({doc['settings']['photos_per_request']} photos a request in (b))"
+                if doc["settings"].get("photos_per_request", 1) > 1 else "") + "; "
              f"{doc['settings']['duration_s']:g} s windows, {doc['settings']['rounds']} rounds of (a)/(b)", ""]
     head = f"  {'':<36} {'photos/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'client us':>10} {'worker us':>10}  notes"
     gpu = bool(mach.get("gpu"))

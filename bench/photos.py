@@ -50,6 +50,7 @@ class Settings:
     in_flight: int  # per client process
     sizes: tuple[str, ...]
     client_spin_us: int = 1000  # the clients' Client(spin_us=): the library's default
+    photos_per_request: int = 1  # (b)'s requests: one photo, or a list of this many
     c_client: str = ""  # examples/c's binary: (b') with it, where given
     photo_model: str = PHOTO_MODEL
     tensor_model: str = TENSOR_MODEL
@@ -70,8 +71,12 @@ class Settings:
         if args.client_spin_us < 0:
             raise BenchError(f"--client-spin-us must be 0 or more, got {args.client_spin_us}")
         c_client = photo_cload.check_binary(args.c_client) if getattr(args, "c_client", None) else ""
+        per_request = getattr(args, "photos_per_request", 1)
+        if per_request < 1:
+            raise BenchError(f"--photos-per-request must be at least 1, got {per_request}")
         return cls(quick, duration, 0.5 if quick else 1.0, duration / 2 if quick else duration, rounds, processes,
-                   in_flight, tuple(photoset.size_name(s) for s in sizes), args.client_spin_us, c_client)
+                   in_flight, tuple(photoset.size_name(s) for s in sizes), args.client_spin_us,
+                   photos_per_request=per_request, c_client=c_client)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -92,6 +97,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="requests each client keeps in flight (default 16 on a GPU worker, 4 on a CPU one)")
     ap.add_argument("--client-spin-us", type=int, default=1000, metavar="US",
                     help="each client's spin_us (default 1000, the client's own; 0: wait in the kernel at once)")
+    ap.add_argument("--photos-per-request", type=int, default=1, metavar="K",
+                    help="photos in each of (b)'s requests (default 1; at most the photo model's max_batch a "
+                         "slot): its figures stay per photo, its latencies per request")
     ap.add_argument("--c-client", default=None, metavar="BINARY",
                     help="examples/c's shmb_client (make -C examples/c OUT=DIR): adds (b'), the same load from C "
                          "client processes")
@@ -229,8 +237,8 @@ class PhotoBench:
             if not results:
                 m[key] = {"error": "the client processes failed (see failures)"}
                 continue
-            f = self._figures(gpu_load.merge([res["rounds"][r] for res in results], s.duration_s, sampler), model,
-                              sampler)
+            f = per_photo(self._figures(gpu_load.merge([res["rounds"][r] for res in results], s.duration_s,
+                                                       sampler), model, sampler), s.photos_per_request)
             f["machine_cpu_busy_pct"] = busy[r] if r < len(busy) else None
             m[key] = f
             self.progress.note(f"(b) window {r + 1}: {_summary(f)}")
@@ -240,7 +248,8 @@ class PhotoBench:
         s = self.s
         return [{"index": i, "processes": s.processes, "seed": 100 + i, "runtime_dir": str(broker.runtime_dir),
                  "model": model, "paths": paths, "preset": preset, "in_flight": s.in_flight, "warmup_s": s.warmup_s,
-                 "duration_s": s.duration_s, "warmup_requests": 4, "spin_us": s.client_spin_us}
+                 "duration_s": s.duration_s, "warmup_requests": 4, "spin_us": s.client_spin_us,
+                 "photos_per_request": s.photos_per_request}
                 for i in range(s.processes)]
 
     def clients(self, broker: BrokerProcess, target: Target, model: str, paths: list[str],
@@ -284,6 +293,25 @@ class PhotoBench:
         totals = [w["total"] for w in by_worker.values() if isinstance(w, dict) and "total" in w]
         out["worker_cpu_us_per_image"] = round(sum(totals), 1) if totals else None
         return out
+
+
+def per_photo(f: Figures, k: int) -> Figures:
+    """A (b) window whose requests carried ``k`` photos each, per photo: its rate, count and CPU figures (the
+    clients' and the worker's, which stats count per request) scaled by ``k``; its latencies stay per request,
+    and ``photos_per_request`` says so."""
+    f["photos_per_request"] = k
+    if k == 1:
+        return f
+    for key in ("per_s", "completed"):
+        if isinstance(f.get(key), int | float):
+            f[key] = round(f[key] * k, 1)
+    for key in ("client_cpu_us_per_image", "worker_cpu_us_per_image"):
+        if isinstance(f.get(key), int | float):
+            f[key] = round(f[key] / k, 2)
+    f["client_cpu_us_by_thread"] = {t: round(v / k, 2) for t, v in (f.get("client_cpu_us_by_thread") or {}).items()}
+    f["worker_cpu_us_by_thread"] = {pid: {t: round(v / k, 2) for t, v in by.items()} if isinstance(by, dict) else by
+                                    for pid, by in (f.get("worker_cpu_us_by_thread") or {}).items()}
+    return f
 
 
 def _summary(f: Figures) -> str:

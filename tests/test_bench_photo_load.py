@@ -17,6 +17,7 @@ from shmbroker.bench import photo_load, photoset
 from shmbroker.bench.common import Progress
 from shmbroker.bench.run import Bench, Settings
 from shmbroker.broker.common import config
+from shmbroker.client import Client
 from tests.conftest import TEST_MODELS, RunningBroker, photo_model, start_broker
 
 MODELS = TEST_MODELS + photo_model(1 << 20, timeout_ms=20000)
@@ -53,6 +54,20 @@ def test_a_client_process_counts_its_windows_answers(photo_broker: RunningBroker
     assert out["answered"] >= out["completed"] and out["cpu_s"] > 0
     w0, w1 = out["window_monotonic"]
     assert w1 - w0 == pytest.approx(1.0)
+
+
+def test_a_client_process_can_send_several_photos_a_request(photo_broker: RunningBroker,
+                                                            photo_paths: list[str]) -> None:
+    spec = {**_spec(photo_broker, "nsfw_photo", photo_paths, index=0), "photos_per_request": 3}
+    out = photo_load.encoded_client(spec, lambda: None)
+    assert out["errors"] == 0 and out["lost"] == 0, out["error_codes"]
+    assert out["completed"] > 0
+    c = Client(photo_broker.runtime_dir)
+    try:
+        chains = photo_load.PhotoChains(c, "nsfw_photo", [b"a", b"b", b"c", b"d"], 2, 1, per_request=3)
+        assert chains.inputs() == [b"c", b"d", b"a"] and chains.inputs() == [b"b", b"c", b"d"]
+    finally:
+        c.close()
 
 
 def test_the_rounds_client_runs_one_window_per_round_on_the_benchs_barrier(photo_broker: RunningBroker,

@@ -202,6 +202,24 @@ def test_settings_default_to_4x4_on_a_cpu_worker_and_16x16_on_a_gpu() -> None:
     assert cpu.client_spin_us == 1000 and photos.Settings.of(_args(client_spin_us=0), gpu=True).client_spin_us == 0
     with pytest.raises(BenchError, match="--client-spin-us"):
         photos.Settings.of(_args(client_spin_us=-1), gpu=False)
+    assert cpu.photos_per_request == 1
+    assert photos.Settings.of(_args(photos_per_request=8), gpu=True).photos_per_request == 8
+    with pytest.raises(BenchError, match="--photos-per-request must be at least 1, got 0"):
+        photos.Settings.of(_args(photos_per_request=0), gpu=True)
+
+
+def test_a_window_of_several_photos_a_request_is_counted_per_photo() -> None:
+    window = {"per_s": 100.0, "completed": 200, "latency": {"p50_us": 9000}, "client_cpu_us_per_image": 80.0,
+              "worker_cpu_us_per_image": 40.0, "client_cpu_us_by_thread": {"shmb-client-io": 72.0, "total": 80.0},
+              "worker_cpu_us_by_thread": {"123": {"runner": 32.0, "total": 40.0}, "124": "error"}}
+    f = photos.per_photo(window, 8)
+    per = (f["per_s"], f["completed"], f["client_cpu_us_per_image"], f["worker_cpu_us_per_image"])
+    assert per == (800, 1600, 10, 5)
+    assert f["client_cpu_us_by_thread"] == {"shmb-client-io": 9.0, "total": 10.0}
+    assert f["worker_cpu_us_by_thread"] == {"123": {"runner": 4.0, "total": 5.0}, "124": "error"}
+    assert f["latency"] == {"p50_us": 9000} and f["photos_per_request"] == 8  # a request's time, as it was
+    one = photos.per_photo({"per_s": 100.0, "client_cpu_us_per_image": 80.0}, 1)
+    assert one == {"per_s": 100.0, "client_cpu_us_per_image": 80.0, "photos_per_request": 1}
 
 
 def _jpeg(img: Image.Image) -> bytes:
