@@ -32,8 +32,12 @@ class FusedFinish:
 
     def __init__(self, torch: Any, recipe: Any) -> None:
         self._eager: Callable[[Any], Any] = lambda crops: recipe.finish(crops).to(torch.float32)
-        self._compiled: Callable[[Any], Any] | None = torch.compile(self._eager, dynamic=True, fullgraph=True)
+        self._compiled: Callable[[Any], Any] | None = None
         self._primed = False
+        try:  # refused at once where this Python or platform has no compiler support
+            self._compiled = torch.compile(self._eager, dynamic=True, fullgraph=True)
+        except Exception as exc:  # noqa: BLE001 - as in __call__
+            self._eager_from_now(exc)
 
     @property
     def compiled(self) -> bool:
@@ -48,10 +52,13 @@ class FusedFinish:
             try:
                 return self._compiled(crops)
             except Exception as exc:  # noqa: BLE001 - the compiler's errors share no base class but Exception
-                log.warning("the photo recipe's finish step runs eager: torch.compile failed (%s: %s)",
-                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-                self._compiled = None
+                self._eager_from_now(exc)
         return self._eager(crops)
+
+    def _eager_from_now(self, exc: Exception) -> None:
+        log.warning("the photo recipe's finish step runs eager: torch.compile failed (%s: %s)",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        self._compiled = None
 
 
 def buckets(rows: int) -> list[int]:

@@ -74,6 +74,22 @@ def test_a_failing_compile_falls_back_to_the_eager_recipe_once(caplog: pytest.Lo
                         "(RuntimeError: InductorError: no C compiler)"]
 
 
+class NoCompiler(FailingCompiler):
+    """torch where ``torch.compile`` itself refuses (a Python version Dynamo does not support)."""
+
+    def compile(self, fn: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("torch.compile is not supported on Python 3.14+")
+
+
+def test_a_refused_compile_runs_the_eager_recipe(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="shmbroker.gpu_worker.finishgraphs"):
+        fused = FusedFinish(NoCompiler(), Recipe())
+    assert not fused.compiled and fused(Crops(3)) == ("rows", Crops(3), "float32")
+    assert [r.getMessage() for r in caplog.records] == [
+        "the photo recipe's finish step runs eager: torch.compile failed "
+        "(RuntimeError: torch.compile is not supported on Python 3.14+)"]
+
+
 class WorkingCompiler(FailingCompiler):
     def compile(self, fn: Any, **kwargs: Any) -> Any:
         self.kwargs = kwargs
