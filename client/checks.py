@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from shmbroker.client.errors import BadInput
-from shmbroker.client.session import ModelPlan
+from shmbroker.client.session import ImageRow, ModelPlan
 
 MAX_TIMEOUT_S = 0xFFFF_FFFF / 1e6  # timeout_us is a u32 on the wire
 
@@ -84,10 +84,12 @@ def checked_arrays(plan: ModelPlan, inputs: object, max_items: int,
 IMAGE_TYPES = (bytes, bytearray, memoryview)
 
 
-def image_rows(plan: ModelPlan, inputs: object) -> np.ndarray:
+def image_rows(plan: ModelPlan, inputs: object) -> list[ImageRow]:
     """The encoded images of a request to a model of images (a bytes-like object, or a list, tuple or 1-D object
-    array of them; or that in a dict under the input's name) as an object array of bytes-likes, one a row, each
-    checked against the model's ``max_image_bytes``; BadInput names the row. Nothing is decoded here."""
+    array of them; or that in a dict under the input's name) as a list of bytes-likes, one a row, each checked
+    against the model's ``max_image_bytes``; BadInput names the row. Nothing is decoded here."""
+    if type(inputs) is bytes and 0 < len(inputs) <= plan.image_max_bytes:
+        return [inputs]  # one photo's file bytes, the common case: none of the checks below can fail
     name = plan.info.inputs[0].name
     if isinstance(inputs, Mapping):
         if set(inputs) != {name}:
@@ -104,6 +106,7 @@ def image_rows(plan: ModelPlan, inputs: object) -> np.ndarray:
                        f"list of bytes, one image each (the file's bytes as they are), got {_kind(inputs)}")
     check_rows(plan, len(rows), "inputs (images)", plan.info.max_batch)
     limit = plan.image_max_bytes
+    out: list[ImageRow] = []
     for k, row in enumerate(rows):
         if not isinstance(row, IMAGE_TYPES):
             raise BadInput(f"inputs[{k}]: expected the bytes of an encoded image, got {_kind(row)}")
@@ -111,8 +114,7 @@ def image_rows(plan: ModelPlan, inputs: object) -> np.ndarray:
         if not 1 <= n <= limit:
             raise BadInput(f"inputs[{k}]: an image of {n} bytes; model {plan.info.name!r} takes 1..{limit} bytes a "
                            f"row (the broker's models.{plan.info.name}.max_image_bytes)", "BAD_SIZE")
-    out = np.empty(len(rows), dtype=object)
-    out[:] = [memoryview(r).cast("B") if isinstance(r, memoryview) else r for r in rows]
+        out.append(memoryview(row).cast("B") if isinstance(row, memoryview) else row)
     return out
 
 

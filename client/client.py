@@ -18,7 +18,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
-from typing import Self, TypeVar
+from typing import Self, TypeVar, cast
 
 import numpy as np
 import zmq
@@ -26,7 +26,14 @@ from zmq.utils import monitor as zmq_monitor
 
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.ring import RingError
-from shmbroker.client.checks import FORKS, MAX_ITEMS_SETTING, check_rows, check_timeout, checked_arrays, image_rows
+from shmbroker.client.checks import (
+    FORKS,
+    MAX_ITEMS_SETTING,
+    check_rows,
+    check_timeout,
+    checked_arrays,
+    image_rows,
+)
 from shmbroker.client.errors import (
     BadInput,
     ClientClosed,
@@ -46,6 +53,7 @@ from shmbroker.client.rejoin import RETRY_S, Rejoin
 from shmbroker.client.request import Callback, HeldSlot, Outputs, Request
 from shmbroker.client.session import (
     GRACE_S,
+    Column,
     ModelPlan,
     SlotViews,
     control_socket,
@@ -132,7 +140,7 @@ class Client:
         self._check_may_wait()
         plan, arrays = self._checked(model, inputs, timeout)
         fut: Future[Outputs] = Future()
-        if arrays[0].shape[0] > self.max_items:
+        if len(arrays[0]) > self.max_items:
             deadline = self._send_parts(plan, arrays, timeout, functools.partial(_settle, fut))
             return self.wait_for(fut, deadline - time.monotonic() + GRACE_S)
         slot, views = self._fill(plan, arrays, timeout)
@@ -165,7 +173,7 @@ class Client:
         meanwhile, or at the IO thread's next look (client.lead, WATCH_MS), whichever comes first.
         """
         plan, arrays = self._checked(model, inputs, timeout)
-        if arrays[0].shape[0] > self.max_items:
+        if len(arrays[0]) > self.max_items:
             fut: ClientFuture[Outputs] = ClientFuture(self._await_future, self._receiver_needed)
             self._send_parts(plan, arrays, timeout, functools.partial(_settle, fut))
             return fut
@@ -180,7 +188,7 @@ class Client:
         requests submitted from a callback go out together in one message.
         """
         plan, arrays = self._checked(model, inputs, timeout)
-        if arrays[0].shape[0] > self.max_items:
+        if len(arrays[0]) > self.max_items:
             self._send_parts(plan, arrays, timeout, functools.partial(_run_callback, callback))
             return
         slot, views = self._fill(plan, arrays, timeout)
@@ -224,13 +232,14 @@ class Client:
             return None
         plan = self._plan(model)
         arrays = self._arrays(plan, inputs)
-        rows, step = arrays[0].shape[0], self.max_items
+        rows, step = len(arrays[0]), self.max_items
         if rows <= step:
             return None
         specs = plan.info.inputs
         if len(specs) == 1:
             return [arrays[0][k : k + step] for k in range(0, rows, step)]
-        return [{s.name: a[k : k + step] for s, a in zip(specs, arrays, strict=True)} for k in range(0, rows, step)]
+        tensors = cast("Sequence[np.ndarray]", arrays)  # several inputs: a tensor model's (images have one)
+        return [{s.name: a[k : k + step] for s, a in zip(specs, tensors, strict=True)} for k in range(0, rows, step)]
 
     def corked(self) -> contextlib.AbstractContextManager[None]:
         """``with client.corked():`` SUBMITs made by this thread inside the block are queued, not sent:
@@ -315,17 +324,17 @@ class Client:
             raise UnknownModel(f"model {model!r} is not served; models are {sorted(self.models)}")
         return plan
 
-    def _checked(self, model: str, inputs: Inputs, timeout: float | None) -> tuple[ModelPlan, list[np.ndarray]]:
+    def _checked(self, model: str, inputs: Inputs, timeout: float | None) -> tuple[ModelPlan, Sequence[Column]]:
         """The model's plan and the inputs as checked arrays in model order; BadInput names the field."""
         plan = self._plan(model)
         if timeout is not None:
             check_timeout(timeout)
         return plan, self._arrays(plan, inputs)
 
-    def _fill(self, plan: ModelPlan, arrays: list[np.ndarray], timeout: float | None) -> tuple[int, SlotViews]:
+    def _fill(self, plan: ModelPlan, arrays: Sequence[Column], timeout: float | None) -> tuple[int, SlotViews]:
         """Take a slot and copy the checked inputs (of at most a slot's rows) into it: (slot, the slot's views)."""
         slot = self._slots.acquire(timeout, self._receiver.on_io_thread)
-        views = self._views_for(plan, slot, arrays[0].shape[0])
+        views = self._views_for(plan, slot, len(arrays[0]))
         if plan.image_max_bytes:
             return slot, plan.image_views(self.segment, slot, arrays[0], views.outs)
         for view, arr in zip(views.ins, arrays, strict=True):
@@ -339,7 +348,7 @@ class Client:
             views = by_slot[slot] = plan.slot_views(self.segment, slot, rows)
         return views
 
-    def _arrays(self, plan: ModelPlan, inputs: Inputs) -> list[np.ndarray]:
+    def _arrays(self, plan: ModelPlan, inputs: Inputs) -> Sequence[Column]:
         specs = plan.info.inputs
         if type(inputs) is dict and len(inputs) == 1 and len(specs) == 1:
             inputs = inputs.get(specs[0].name, inputs)  # {name: array} for a one-input model: the array
@@ -432,7 +441,7 @@ class Client:
         finally:
             self._hint_wait.done()
 
-    def _send_parts(self, plan: ModelPlan, arrays: list[np.ndarray], timeout: float | None,
+    def _send_parts(self, plan: ModelPlan, arrays: Sequence[Column], timeout: float | None,
                     finish: Callable[[Outputs | None, ShmBrokerError | None], None]) -> float:
         """Send a request of more rows than a slot holds as parts (client.parts) and return its deadline; raises as
         a request does when it gets no slot or its first part cannot be sent, else ``finish`` gets its outcome
@@ -440,7 +449,7 @@ class Client:
         request's: each part is sent with the time left."""
         budget = timeout if timeout is not None else plan.info.timeout_ms / 1e3
         deadline = time.monotonic() + budget
-        rows = arrays[0].shape[0]
+        rows = len(arrays[0])
         first = self._slots.acquire(timeout, self._receiver.on_io_thread)
         slots = [first, *self._slots.take_free(-(-rows // self.max_items) - 1)]
         outs = [np.empty((rows, *shape), dt) for dt, shape in zip(plan.out_dtypes, plan.out_item_shapes, strict=True)]
@@ -459,7 +468,7 @@ class Client:
         parts.start(slots)
         return deadline
 
-    def _send_part(self, plan: ModelPlan, arrays: list[np.ndarray], slot: int, first: int, end: int, timeout: float,
+    def _send_part(self, plan: ModelPlan, arrays: Sequence[Column], slot: int, first: int, end: int, timeout: float,
                    answered: Answered) -> None:
         """Copy rows ``first:end`` of the inputs into ``slot`` (held) and send them; ``answered`` gets the output
         views in the slot, or the error. The slot stays held: the request's parts reuse it (client.parts)."""

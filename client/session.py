@@ -17,6 +17,10 @@ from shmbroker.broker.common.handout import HandoutError, fetch_ring
 from shmbroker.broker.common.ring import RingLayout, Segment, check_span
 from shmbroker.client.errors import HandshakeError, NoBroker
 
+ImageRow = bytes | bytearray | memoryview
+# one input's rows as a request carries them: a tensor input's array, or an image input's encoded rows
+Column = np.ndarray | list[ImageRow]
+
 GRACE_S = 2.0  # how long past its deadline a request may stay unanswered before the client gives up
 
 
@@ -66,7 +70,7 @@ class ModelPlan:
                 list(zip(self.out_dtypes, self.out_item_shapes, strict=True)), rows)
         return lay
 
-    def image_views(self, segment: Segment, slot: int, images: np.ndarray, outs: tuple[np.ndarray, ...]) -> SlotViews:
+    def image_views(self, segment: Segment, slot: int, images: Column, outs: tuple[np.ndarray, ...]) -> SlotViews:
         """Write ``images`` (encoded, one a row) into the slot's input region as PROTOCOL 5.4 lays them out: the
         row table, then the images in order; the views of this one request, its descriptor its own. RingError
         if they overflow the region. Each piece goes in with one memoryview copy and the layout is built field
