@@ -45,14 +45,16 @@ class FusedFinish:
         return self._compiled is not None
 
     def __call__(self, crops: Any) -> Any:
+        if self._compiled is None or crops.shape[0] == 1:
+            self._primed = True
+            return self._eager(crops)
         if not self._primed:  # the recipe caches its constants at its first call: eager, so none is traced
             self._eager(crops)
             self._primed = True
-        if self._compiled is not None and crops.shape[0] > 1:
-            try:
-                return self._compiled(crops)
-            except Exception as exc:  # noqa: BLE001 - the compiler's errors share no base class but Exception
-                self._eager_from_now(exc)
+        try:
+            return self._compiled(crops)
+        except Exception as exc:  # noqa: BLE001 - the compiler's errors share no base class but Exception
+            self._eager_from_now(exc)
         return self._eager(crops)
 
     def _eager_from_now(self, exc: Exception) -> None:
