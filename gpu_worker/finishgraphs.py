@@ -15,6 +15,8 @@ buffer held (finite: zeros, or an earlier batch's crops) into engine rows that t
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +36,7 @@ class FusedFinish:
         self._eager: Callable[[Any], Any] = lambda crops: recipe.finish(crops).to(torch.float32)
         self._compiled: Callable[[Any], Any] | None = None
         self._primed = False
+        self._compiled_once = False
         try:  # refused at once where this Python or platform has no compiler support
             self._compiled = torch.compile(self._eager, dynamic=True, fullgraph=True)
         except Exception as exc:  # noqa: BLE001 - as in __call__
@@ -52,10 +55,23 @@ class FusedFinish:
             self._eager(crops)
             self._primed = True
         try:
-            return self._compiled(crops)
+            if self._compiled_once:
+                return self._compiled(crops)
+            return self._first_compiled(self._compiled, crops)
         except Exception as exc:  # noqa: BLE001 - the compiler's errors share no base class but Exception
             self._eager_from_now(exc)
         return self._eager(crops)
+
+    def _first_compiled(self, compiled: Callable[[Any], Any], crops: Any) -> Any:
+        """The first compiled call, which compiles: a minute or more with a cold cache, so the log says so."""
+        cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "TorchInductor's default in the temporary directory"
+        log.info("compiling the photo recipe's finish step with TorchInductor, once: its cache (%s) keeps the "
+                 "kernels for later starts", cache)
+        t0 = time.monotonic()
+        rows = compiled(crops)
+        self._compiled_once = True
+        log.info("the photo recipe's finish step compiled in %.1f s", time.monotonic() - t0)
+        return rows
 
     def _eager_from_now(self, exc: Exception) -> None:
         log.warning("the photo recipe's finish step runs eager: torch.compile failed (%s: %s)",

@@ -108,3 +108,17 @@ def test_the_compiled_function_serves_every_batch_of_two_rows_or_more() -> None:
     assert fused.compiled and torch.compiled_calls == 2  # 5 and 2; a lone row runs eager
     assert recipe.calls == 4  # one a call: the first lone row's eager call primed the recipe's constants
     assert torch.kwargs == {"dynamic": True, "fullgraph": True}
+
+
+def test_the_first_compiled_call_says_it_compiles_and_how_long(caplog: pytest.LogCaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/var/cache/shmbroker/inductor")
+    fused = FusedFinish(WorkingCompiler(), Recipe())
+    with caplog.at_level(logging.INFO, logger="shmbroker.gpu_worker.finishgraphs"):
+        for n in (1, 4, 2, 8):
+            fused(Crops(n))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages  # the compile is said once, not at each call
+    assert messages[0] == ("compiling the photo recipe's finish step with TorchInductor, once: its cache "
+                           "(/var/cache/shmbroker/inductor) keeps the kernels for later starts")
+    assert messages[1].startswith("the photo recipe's finish step compiled in ")
