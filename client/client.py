@@ -54,6 +54,7 @@ from shmbroker.client.request import Callback, HeldSlot, Outputs, Request
 from shmbroker.client.session import (
     GRACE_S,
     Column,
+    ImageRow,
     ModelPlan,
     SlotViews,
     control_socket,
@@ -140,8 +141,9 @@ class Client:
         self._check_may_wait()
         plan, arrays = self._checked(model, inputs, timeout)
         fut: Future[Outputs] = Future()
-        if len(arrays[0]) > self.max_items:
-            deadline = self._send_parts(plan, arrays, timeout, functools.partial(_settle, fut))
+        spans = self._spans(plan, arrays)
+        if spans is not None:
+            deadline = self._send_parts(plan, arrays, spans, timeout, functools.partial(_settle, fut))
             return self.wait_for(fut, deadline - time.monotonic() + GRACE_S)
         slot, views = self._fill(plan, arrays, timeout)
         self._send(slot, plan, views, timeout, functools.partial(self._resolve, fut, plan, slot, views), True,
@@ -173,9 +175,10 @@ class Client:
         meanwhile, or at the IO thread's next look (client.lead, WATCH_MS), whichever comes first.
         """
         plan, arrays = self._checked(model, inputs, timeout)
-        if len(arrays[0]) > self.max_items:
+        spans = self._spans(plan, arrays)
+        if spans is not None:
             fut: ClientFuture[Outputs] = ClientFuture(self._await_future, self._receiver_needed)
-            self._send_parts(plan, arrays, timeout, functools.partial(_settle, fut))
+            self._send_parts(plan, arrays, spans, timeout, functools.partial(_settle, fut))
             return fut
         slot, views = self._fill(plan, arrays, timeout)
         return self._submit_slot(plan, slot, views, timeout)
@@ -188,8 +191,9 @@ class Client:
         requests submitted from a callback go out together in one message.
         """
         plan, arrays = self._checked(model, inputs, timeout)
-        if len(arrays[0]) > self.max_items:
-            self._send_parts(plan, arrays, timeout, functools.partial(_run_callback, callback))
+        spans = self._spans(plan, arrays)
+        if spans is not None:
+            self._send_parts(plan, arrays, spans, timeout, functools.partial(_run_callback, callback))
             return
         slot, views = self._fill(plan, arrays, timeout)
         self._call_slot(plan, slot, views, timeout, callback)
@@ -220,8 +224,8 @@ class Client:
             req.end()
 
     def parts(self, model: str, inputs: Inputs) -> list[Inputs] | None:
-        """None when ``inputs`` fit one slot, else their cuts of at most a slot's rows (``max_items``), in order,
-        each a request (what ``AsyncClient`` awaits part by part). BadInput as ``infer`` checks them; inputs that
+        """None when ``inputs`` fit one slot, else their cuts that do (``_spans``), in order, each a request (what
+        ``AsyncClient`` awaits part by part). BadInput as ``infer`` checks them; inputs that
         would fail the checks may also give None, and then fail when sent."""
         limit = (self.max_items,)
         if type(inputs) is np.ndarray:
@@ -232,14 +236,14 @@ class Client:
             return None
         plan = self._plan(model)
         arrays = self._arrays(plan, inputs)
-        rows, step = len(arrays[0]), self.max_items
-        if rows <= step:
+        spans = self._spans(plan, arrays)
+        if spans is None:
             return None
         specs = plan.info.inputs
         if len(specs) == 1:
-            return [arrays[0][k : k + step] for k in range(0, rows, step)]
+            return [arrays[0][first:end] for first, end in spans]
         tensors = cast("Sequence[np.ndarray]", arrays)  # several inputs: a tensor model's (images have one)
-        return [{s.name: a[k : k + step] for s, a in zip(specs, tensors, strict=True)} for k in range(0, rows, step)]
+        return [{s.name: a[first:end] for s, a in zip(specs, tensors, strict=True)} for first, end in spans]
 
     def corked(self) -> contextlib.AbstractContextManager[None]:
         """``with client.corked():`` SUBMITs made by this thread inside the block are queued, not sent:
@@ -441,17 +445,29 @@ class Client:
         finally:
             self._hint_wait.done()
 
-    def _send_parts(self, plan: ModelPlan, arrays: Sequence[Column], timeout: float | None,
-                    finish: Callable[[Outputs | None, ShmBrokerError | None], None]) -> float:
-        """Send a request of more rows than a slot holds as parts (client.parts) and return its deadline; raises as
-        a request does when it gets no slot or its first part cannot be sent, else ``finish`` gets its outcome
+    def _spans(self, plan: ModelPlan, arrays: Sequence[Column]) -> list[tuple[int, int]] | None:
+        """None when the checked inputs fit one slot, else the (first, end) rows of the parts that do: at most
+        ``max_items`` rows of tensors; images as their bytes fit the slot (``ModelPlan.image_parts``)."""
+        rows = len(arrays[0])
+        if rows == 1:
+            return None  # a slot holds one row of any model
+        if plan.image_max_bytes:
+            return plan.image_parts(cast("list[ImageRow]", arrays[0]), self.segment.layout)
+        if rows <= self.max_items:
+            return None
+        return [(k, min(k + self.max_items, rows)) for k in range(0, rows, self.max_items)]
+
+    def _send_parts(self, plan: ModelPlan, arrays: Sequence[Column], spans: list[tuple[int, int]],
+                    timeout: float | None, finish: Callable[[Outputs | None, ShmBrokerError | None], None]) -> float:
+        """Send a request that does not fit one slot as parts of these rows (client.parts); return its deadline.
+        Raises as a request does when it gets no slot or its first part cannot be sent, else ``finish`` gets its outcome
         once its last slot is free. The deadline (``timeout``, else the model's ``timeout_ms``) is the whole
         request's: each part is sent with the time left."""
         budget = timeout if timeout is not None else plan.info.timeout_ms / 1e3
         deadline = time.monotonic() + budget
         rows = len(arrays[0])
         first = self._slots.acquire(timeout, self._receiver.on_io_thread)
-        slots = [first, *self._slots.take_free(-(-rows // self.max_items) - 1)]
+        slots = [first, *self._slots.take_free(len(spans) - 1)]
         outs = [np.empty((rows, *shape), dt) for dt, shape in zip(plan.out_dtypes, plan.out_item_shapes, strict=True)]
         specs = plan.info.outputs
 
@@ -461,7 +477,7 @@ class Client:
             else:
                 finish(value[0] if len(specs) == 1 else {s.name: v for s, v in zip(specs, value, strict=True)}, None)
 
-        parts = Parts(rows, self.max_items, outs, deadline, budget, functools.partial(self._send_part, plan, arrays),
+        parts = Parts(spans, outs, deadline, budget, functools.partial(self._send_part, plan, arrays),
                       self._slots.release, done)
         if self._role.parked:  # the parts' answers send the next parts: someone must receive them
             self._role.unpark()

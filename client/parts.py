@@ -1,6 +1,7 @@
 """A request of more rows than a slot holds (``Client.infer``, ``submit`` and ``call``), sent as parts.
 
-Each part has at most a slot's rows (the session's ``max_items``). The request takes a free slot as any request
+Each part is rows that fit one slot (``Client._spans``: at most the session's ``max_items`` rows of tensors, or
+images whose bytes fit a slot's input region). The request takes a free slot as any request
 does (waiting for one if none is free), and at once every other free slot it has parts for; each slot, once its
 part is answered, carries the next part, so the request never waits for a slot again and no other caller can
 take a slot from under it. The worker batches the parts in flight together as it batches any requests. The
@@ -31,21 +32,21 @@ class Parts:
     the last of them is given back. ``_next``, ``_held`` and ``_error`` change under ``_lock``: the caller sends
     the first parts while the receiving thread may already send the next ones."""
 
-    def __init__(self, rows: int, part_rows: int, outs: list[np.ndarray], deadline: float, budget: float, send: Send,
-                 release: Callable[[int], None],
+    def __init__(self, spans: Sequence[tuple[int, int]], outs: list[np.ndarray], deadline: float, budget: float,
+                 send: Send, release: Callable[[int], None],
                  finish: Callable[[list[np.ndarray] | None, ShmBrokerError | None], None]) -> None:
-        """``outs``: an array of ``rows`` rows per output, which the parts' outputs fill; ``deadline``
-        (monotonic) bounds the whole request, ``budget`` s after it began; ``release`` gives a slot back."""
+        """``spans``: each part's (first, end) rows, in order; ``outs``: an array per output of every row, which
+        the parts' outputs fill; ``deadline`` (monotonic) bounds the whole request, ``budget`` s after it began;
+        ``release`` gives a slot back."""
         self.outs = outs
-        self._rows = rows
-        self._part = part_rows
+        self._spans = spans
         self._deadline = deadline
         self._budget = budget
         self._send = send
         self._release = release
         self._finish = finish
         self._lock = threading.Lock()
-        self._next = 0  # the first row of the next part to send
+        self._next = 0  # the next part to send
         self._held = 0
         self._error: ShmBrokerError | None = None
 
@@ -54,8 +55,8 @@ class Parts:
         slot is given back and its error raised, as a request's would be, and ``finish`` never runs."""
         self._held = len(slots)
         span = self._take()
-        if span is None:  # cannot happen for a request of rows > part_rows > 0
-            raise RequestError("a request split into parts has no rows")
+        if span is None:  # cannot happen: a request goes as parts only when it has more than one
+            raise RequestError("a request split into parts has no parts")
         try:
             self._send_part(slots[0], span)
         except BaseException:
@@ -68,11 +69,10 @@ class Parts:
     def _take(self) -> tuple[int, int] | None:
         """The rows of the next part to send, or None: all sent, or one failed."""
         with self._lock:
-            if self._error is not None or self._next >= self._rows:
+            if self._error is not None or self._next >= len(self._spans):
                 return None
-            first = self._next
-            self._next = min(first + self._part, self._rows)
-            return first, self._next
+            self._next += 1
+            return self._spans[self._next - 1]
 
     def _send_part(self, slot: int, span: tuple[int, int]) -> None:
         left = self._deadline - time.monotonic()

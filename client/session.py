@@ -90,6 +90,22 @@ class ModelPlan:
                               out_desc_bytes=canon.out_desc_bytes, out_offsets=canon.out_offsets, ok=canon.ok)
         return SlotViews(rows, lay, (), outs, segment)
 
+    def image_parts(self, images: list[ImageRow], layout: RingLayout) -> list[tuple[int, int]] | None:
+        """None when ``images`` fit one slot of ``layout``, else the (first, end) rows of consecutive parts that
+        each do: their row table and images within the input region, their outputs within the output region
+        (PROTOCOL 3.1: a slot holds as many images as their bytes allow, not ``max_items``)."""
+        sizes = [int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+                 for dt, shape in zip(self.out_dtypes, self.out_item_shapes, strict=True)]
+        most = max(1, P.rows_within(sizes, layout.out_capacity, self.info.max_batch))
+        spans, first, used = [], 0, 0
+        for k, row in enumerate(images):
+            need = P.IMAGE_ROW.size + len(row)
+            if k > first and (k - first == most or used + need > layout.in_capacity):
+                spans.append((first, k))
+                first, used = k, 0
+            used += need
+        return None if not spans else [*spans, (first, len(images))]
+
     def input_offsets(self, rows: int) -> list[int]:
         return self.layout(rows).in_offsets
 

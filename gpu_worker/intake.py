@@ -138,9 +138,11 @@ def check_images(session: WorkerSession, req: P.SubmitRequest, model: ModelView,
     if t.dtype != P.DType.UINT8 or len(t.shape) != 1:
         raise Rejected(P.Status.BAD_DTYPE, f"{field}: an image input is dtype code {int(P.DType.UINT8)} (uint8) "
                        f"with shape [rows], got code {t.dtype} and shape {list(t.shape)}", True)
-    rows, limit = t.shape[0], min(model.max_batch, session.max_items)
-    if not 1 <= rows <= limit:
-        raise Rejected(P.Status.BAD_SHAPE, f"{field}.shape[0]: expected 1..{limit} rows, got {rows}", True)
+    # not the session's max_items: a slot holds as many images as their bytes fit its input region, and R8
+    # below bounds their outputs (PROTOCOL 3.1)
+    rows = t.shape[0]
+    if not 1 <= rows <= model.max_batch:
+        raise Rejected(P.Status.BAD_SHAPE, f"{field}.shape[0]: expected 1..{model.max_batch} rows, got {rows}", True)
     try:
         check_span(field, t.offset, t.nbytes, session.layout.in_capacity)
     except RingError as exc:

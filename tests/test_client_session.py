@@ -1,4 +1,5 @@
-"""A client without a broker fails at once, naming the runtime directory and how it was chosen."""
+"""A client without a broker fails at once, naming the runtime directory and how it was chosen; photos go as one
+request while their bytes fit a slot."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common import runtime
+from shmbroker.broker.common.ring import RingLayout
 from shmbroker.client import AsyncClient, Client, HandshakeError, NoBroker
+from shmbroker.client.session import ModelPlan
 from tests.conftest import RunningBroker
 
 WAIT_S = 60.0  # the handshake's timeout in these tests: failing well inside it shows that nothing waited
@@ -84,3 +88,24 @@ def test_a_fallback_directory_another_user_made_first_is_refused(fallback: Path)
     with pytest.raises(HandshakeError, match=f"{fallback} is owned by uid 65534 with mode 700") as e:
         Client(connect_timeout=WAIT_S)
     assert e.value.code == "UNSAFE_RUNTIME_DIR"
+
+
+def _photo_plan(max_batch: int) -> ModelPlan:
+    return ModelPlan.of(P.ModelInfo(0, "photos", max_batch, [P.TensorSpec("image", "uint8", [-1], "image", 4096)],
+                                    [P.TensorSpec("scores", "float32", [-1, 2])], 1000))
+
+
+def test_photos_go_as_one_request_while_their_bytes_fit_a_slot() -> None:
+    plan = _photo_plan(8)
+    layout = RingLayout(0, 4, in_capacity=4 * (16 + 4096), out_capacity=8 * 8)
+    assert plan.image_parts([b"x" * 100] * 8, layout) is None  # 8 rows, past a max_items of 4: one request
+    # 4 of the largest photos fill the input region: the fifth starts a part
+    assert plan.image_parts([b"x" * 4096] * 6, layout) == [(0, 4), (4, 6)]
+    assert plan.image_parts([b"x" * 4000, b"x" * 200, b"x" * 4096], RingLayout(0, 4, 2 * (16 + 4096), 64)) \
+        == [(0, 2), (2, 3)]
+
+
+def test_photo_parts_keep_their_outputs_within_the_output_region() -> None:
+    plan = _photo_plan(8)
+    layout = RingLayout(0, 4, in_capacity=4 * (16 + 4096), out_capacity=3 * 8)  # the scores of 3 rows
+    assert plan.image_parts([b"x" * 10] * 7, layout) == [(0, 3), (3, 6), (6, 7)]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from shmbroker.bench.photoset import MATE_NATURE
 from shmbroker.client import AsyncClient, BadImage, BadInput, Client
@@ -169,15 +170,38 @@ def test_a_row_of_a_list_fails_its_request_naming_the_row(photo_broker: RunningB
         c.infer("nsfw_photo", [good, b"hello" * 20, good])
 
 
-def test_a_list_of_more_photos_than_a_slot_holds_goes_as_parts(photo_broker: RunningBroker) -> None:
-    data = list(photo_files().values())[:4]  # max_batch 4, slots hold 3 rows: 2 parts
+def _ok_requests(b: RunningBroker) -> int:
+    return sum(m.requests.get("OK", 0) for w in b.stats().workers for m in w.models if m.name == "nsfw_photo")
+
+
+def test_a_list_of_more_photos_than_max_items_goes_as_one_request(photo_broker: RunningBroker) -> None:
+    data = list(photo_files().values())[:4]  # max_batch 4; slots hold 3 rows of tensors, and bytes for these
     want = reference(data)
     with _client(photo_broker) as c:
         assert c.max_items == 3
+        before = _ok_requests(photo_broker)
         got = c.infer("nsfw_photo", data)
+        assert _ok_requests(photo_broker) - before == 1
         one = c.submit("nsfw_photo", bytearray(data[0])).result(60)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-2)
     np.testing.assert_allclose(np.asarray(one), want[:1], atol=1e-2)
+
+
+def _noise_jpeg(seed: int, side: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    return _jpeg(Image.fromarray(pixels), quality=95)
+
+
+def test_photos_past_a_slots_bytes_go_as_parts_in_order(photo_broker: RunningBroker) -> None:
+    with _client(photo_broker) as c:
+        room = c.segment.layout.in_capacity
+        data = [_noise_jpeg(k, 1750) for k in range(4)]  # 3.4 MiB each: above a quarter of the input region
+        if not all(room / 4 < len(d) <= MAX_BYTES for d in data):
+            raise AssertionError(f"the test's photos are {[len(d) for d in data]} bytes; the slot holds {room}")
+        before = _ok_requests(photo_broker)
+        got = np.asarray(c.infer("nsfw_photo", data))
+        assert _ok_requests(photo_broker) - before == 2  # 3 photos, then 1
+    np.testing.assert_allclose(got, reference(data), atol=1e-2)
 
 
 def test_asyncclient_scores_photos(photo_broker: RunningBroker) -> None:

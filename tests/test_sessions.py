@@ -56,6 +56,20 @@ def test_a_default_ring_holds_the_most_rows_that_fit_the_budget(slots: int) -> N
         assert rows == 6  # 16 x 6 x 602112 bytes: 55 MiB, where max_batch rows took 16 x 256 x 602112 = 2.3 GiB
 
 
+def _photos(max_batch: int, out: P.TensorSpec = NSFW_OUT) -> P.ModelInfo:
+    return P.ModelInfo(1, "photos", max_batch, [P.TensorSpec("image", "uint8", [-1], "image", MIB)], [out], 5000)
+
+
+def test_a_slot_has_room_for_the_outputs_of_as_many_photos_as_its_input_region_may_hold() -> None:
+    in_cap, out_cap = capacities([_photos(128)], 2)
+    assert in_cap == 2 * (16 + MIB)  # two of the largest photos
+    assert out_cap == 128 * 8  # but the scores of max_batch smaller ones
+    # outputs of an image model take at most as many bytes as the input region: a mask a row does not grow it
+    mask = P.TensorSpec("mask", "float32", [-1, 512, 512])  # 1 MiB a row
+    assert capacities([_photos(128, mask)], 2) == (2 * (16 + MIB), 2 * MIB)
+    assert capacities([_nsfw(256), _photos(128)], 3)[1] == 128 * 8  # the tensor model's 3 rows need less
+
+
 @pytest.fixture(scope="module")
 def default_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
     b = start_broker(tmp_path_factory.mktemp("rows"), "thread", sessions="default_slots = 4")  # no max_items

@@ -724,6 +724,16 @@ def pack_offsets(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
+def rows_within(item_sizes: Sequence[int], budget: int, most: int) -> int:
+    """The most rows, at most ``most``, whose tensors of these bytes a row, packed (``pack_offsets``), take at
+    most ``budget`` bytes; 0 if not even one row fits."""
+    per_row = max(1, sum(item_sizes))
+    rows = min(most, budget // per_row)
+    while rows > 0 and pack_offsets([rows * n for n in item_sizes])[1] > budget:
+        rows -= 1
+    return rows
+
+
 # An image input (InputKind.IMAGE) in a slot: the tensor descriptor has dtype UINT8, ndim 1, dims[0] the row count
 # and nbytes the span of the whole input; at its offset, a table of one IMAGE_ROW per row, then the images. Each
 # row's offset is relative to the input's own start; a row lies within the input's span, in any order.

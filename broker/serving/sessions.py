@@ -103,12 +103,20 @@ def session_rows(asked: int, default: int, models: list[P.ModelInfo], slots: int
 
 
 def capacities(models: list[P.ModelInfo], max_items: int) -> tuple[int, int]:
-    """Bytes of the input and output regions a slot needs to hold a request of up to ``max_items`` rows."""
+    """Bytes of the input and output regions a slot needs to hold a request of up to ``max_items`` rows. A model
+    of images takes as many rows as their bytes fit the input region (up to its ``max_batch``), not
+    ``max_items`` of its largest images: its outputs get room for those rows, at most as many bytes as the input
+    region has, so several photos of usual sizes go as one request (PROTOCOL 3.1)."""
     in_cap = out_cap = 0
     for m in models:
         rows = min(max_items, m.max_batch)
         in_cap = max(in_cap, pack_offsets([rows * item_bytes(s) for s in m.inputs])[1])
-        out_cap = max(out_cap, pack_offsets([rows * item_bytes(s) for s in m.outputs])[1])
+    for m in models:
+        rows = min(max_items, m.max_batch)
+        sizes = [item_bytes(s) for s in m.outputs]
+        if m.inputs and m.inputs[0].kind == P.InputKind.IMAGE:
+            rows = max(rows, P.rows_within(sizes, in_cap, m.max_batch))
+        out_cap = max(out_cap, pack_offsets([rows * n for n in sizes])[1])
     return in_cap, out_cap
 
 
