@@ -402,19 +402,26 @@ class Sampler(threading.Thread):
         return first, last
 
 
-def worker_cpu(before: Snapshot, after: Snapshot, model: str,
-               what: Literal["cpu", "waits", "preempted"] = "cpu") -> Figures:
-    """Each worker's figure per request of ``model`` between two snapshots, by thread name: ``what`` "cpu", CPU
-    microseconds; "waits", microseconds waited for a core; "preempted", nonvoluntary switches per 1000."""
+def worker_cpu(before: Snapshot, after: Snapshot, model: str, what: Literal["cpu", "waits", "preempted"] = "cpu",
+               per: Literal["request", "row"] = "request") -> Figures:
+    """Each worker's figure per request (or per row its batches ran) of ``model`` between two snapshots, by thread
+    name: ``what`` "cpu", CPU microseconds; "waits", microseconds waited for a core; "preempted", nonvoluntary
+    switches per 1000."""
     a, b = _model(after.stats, model), _model(before.stats, model)
     if a is None or b is None:
         return {"error": f"no stats for model {model!r}"}
-    requests = sum(a.requests.values()) - sum(b.requests.values())
+    count = _rows if per == "row" else (lambda m: sum(m.requests.values()))
+    requests = count(a) - count(b)
     first: dict[int, cpu_sample.CpuSample] = getattr(before, what)
     last: dict[int, cpu_sample.CpuSample] = getattr(after, what)
     scale = 1e3 if what == "preempted" else 1e6
     return {str(pid): cpu_sample.per_request(first.get(pid, {}), sample, requests, scale)
             for pid, sample in last.items()}
+
+
+def _rows(m: P.ModelStats) -> int:
+    """Rows of every batch the model ran (a request of images carries several)."""
+    return sum(int(rows) * n for rows, n in m.batch_items.items())
 
 
 def host_cpu(before: Snapshot, after: Snapshot) -> Figures:

@@ -288,7 +288,7 @@ class PhotoBench:
         stages = gpu_load.stage_figures(before.stats, after.stats, model, after.t - before.t)
         out["batches"], out["mean_batch"] = stages.get("batches"), stages.get("mean_batch")
         out["stages"] = stages  # where a photo's time goes in the worker: gpu_load.WORKER_STAGES
-        by_worker = gpu_load.worker_cpu(before, after, model)
+        by_worker = gpu_load.worker_cpu(before, after, model, per="row")  # a request may carry several photos
         out["worker_cpu_us_by_thread"] = by_worker
         totals = [w["total"] for w in by_worker.values() if isinstance(w, dict) and "total" in w]
         out["worker_cpu_us_per_image"] = round(sum(totals), 1) if totals else None
@@ -296,21 +296,18 @@ class PhotoBench:
 
 
 def per_photo(f: Figures, k: int) -> Figures:
-    """A (b) window whose requests carried ``k`` photos each, per photo: its rate, count and CPU figures (the
-    clients' and the worker's, which stats count per request) scaled by ``k``; its latencies stay per request,
-    and ``photos_per_request`` says so."""
+    """A (b) window whose requests carried ``k`` photos each, per photo: its rate, count and the clients' CPU
+    figures scaled by ``k`` (the worker's are per row already); its latencies stay per request, and
+    ``photos_per_request`` says so."""
     f["photos_per_request"] = k
     if k == 1:
         return f
     for key in ("per_s", "completed"):
         if isinstance(f.get(key), int | float):
             f[key] = round(f[key] * k, 1)
-    for key in ("client_cpu_us_per_image", "worker_cpu_us_per_image"):
-        if isinstance(f.get(key), int | float):
-            f[key] = round(f[key] / k, 2)
+    if isinstance(f.get("client_cpu_us_per_image"), int | float):
+        f["client_cpu_us_per_image"] = round(f["client_cpu_us_per_image"] / k, 2)
     f["client_cpu_us_by_thread"] = {t: round(v / k, 2) for t, v in (f.get("client_cpu_us_by_thread") or {}).items()}
-    f["worker_cpu_us_by_thread"] = {pid: {t: round(v / k, 2) for t, v in by.items()} if isinstance(by, dict) else by
-                                    for pid, by in (f.get("worker_cpu_us_by_thread") or {}).items()}
     return f
 
 

@@ -117,6 +117,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--c-client", default=None, metavar="BINARY",
                     help="--photos: examples/c's shmb_client (make -C examples/c OUT=DIR): adds (b'), the same load "
                          "from C client processes")
+    ap.add_argument("--photos-per-request", type=int, default=1, metavar="K",
+                    help="--photos: photos in each of (b)'s requests (default 1): its figures stay per photo, its "
+                         "latencies per request")
     ap.add_argument("--log-dir", default=None, metavar="DIR", help="--gpu: keep the broker's log there")
     ap.add_argument("--engines", default="", metavar="NAMES",
                     help="--gpu: torch,inductor,null: each engine's (a) and (c) side by side (default: the config's)")

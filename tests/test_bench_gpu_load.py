@@ -31,8 +31,9 @@ def test_batch_sizes_and_compute_of_the_window_only() -> None:
     assert out["compute_busy_pct"] == 2.0  # 10 ms of event-timed compute in 0.5 s
 
 
-def _snapshot(t: float, requests: int, cpu: float, preempted: float, host: dict[str, float]) -> gpu_load.Snapshot:
-    reply = _reply({"1": 1}, 0.0)
+def _snapshot(t: float, requests: int, cpu: float, preempted: float, host: dict[str, float],
+              batch_items: dict[str, int] | None = None) -> gpu_load.Snapshot:
+    reply = _reply(batch_items or {"1": 1}, 0.0)
     reply.workers[0].models[0].requests["OK"] = requests
     times = collections.namedtuple("times", list(host))(**host)  # psutil.cpu_times()'s shape
     return gpu_load.Snapshot(t, reply, {7: {"runner": cpu}}, {}, {7: {"runner": preempted}}, times)
@@ -93,3 +94,11 @@ def test_answer_bursts_count_wake_ups_and_their_gaps() -> None:
     merged = gpu_load.BurstGaps.merge([b.counts(), {"answers": 2, "bursts": 1, "within_1ms": 0, "within_4ms": 1}])
     assert merged == {"answers_per_burst": 1.67, "gaps_within_1ms_pct": 33.3, "gaps_1_to_4ms_pct": 33.3}
     assert gpu_load.BurstGaps.merge([{"answers": 0, "bursts": 0, "within_1ms": 0, "within_4ms": 0}]) is None
+
+
+def test_the_worker_cpu_per_row_of_requests_of_several_rows() -> None:
+    host = {"user": 1.0, "idle": 1.0}
+    before = _snapshot(1.0, 100, 2.0, 0, host, {"8": 100})  # 100 requests of 8 photos: 100 batches of 8 rows
+    after = _snapshot(2.0, 200, 2.08, 0, host, {"8": 100, "16": 50})  # 100 more, in batches of 16
+    assert gpu_load.worker_cpu(before, after, "nsfw") == {"7": {"runner": 800.0, "total": 800.0}}
+    assert gpu_load.worker_cpu(before, after, "nsfw", per="row") == {"7": {"runner": 100.0, "total": 100.0}}
