@@ -312,11 +312,12 @@ def free_port() -> int:
 
 
 def start_broker(tmp: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS,
-                 sessions: str = SESSIONS, max_fds: int = 0, env: dict[str, str] | None = None) -> RunningBroker:
-    """Start ``shmbroker serve`` and return once every model is ready (the broker's HEALTH wait, no sleeps);
-    ``max_fds``: its RLIMIT_NOFILE (0: this process's); ``env``: variables set for it."""
+                 sessions: str = SESSIONS, max_fds: int = 0, env: dict[str, str] | None = None,
+                 ready_s: float = 90) -> RunningBroker:
+    """Start ``shmbroker serve`` and return once every model is ready (the broker's HEALTH wait, no sleeps, at
+    most ``ready_s``); ``max_fds``: its RLIMIT_NOFILE (0: this process's); ``env``: variables set for it."""
     b = launch_broker(tmp, mode, extra, models, sessions, max_fds, env=env)
-    reply = b.health(wait_s=90)
+    reply = b.health(wait_s=ready_s)
     if not reply.ready:
         b.stop()
         raise AssertionError(f"broker not ready: {reply.reason}\n{b.log()}")
