@@ -110,7 +110,7 @@ def image_rows(plan: ModelPlan, inputs: object) -> list[ImageRow]:
     for k, row in enumerate(rows):
         if not isinstance(row, IMAGE_TYPES):
             raise BadInput(f"inputs[{k}]: expected the bytes of an encoded image, got {_kind(row)}")
-        n = memoryview(row).nbytes
+        n = len(row) if type(row) is bytes else memoryview(row).nbytes
         if not 1 <= n <= limit:
             raise BadInput(f"inputs[{k}]: an image of {n} bytes; model {plan.info.name!r} takes 1..{limit} bytes a "
                            f"row (the broker's models.{plan.info.name}.max_image_bytes)", "BAD_SIZE")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ class ModelPlan:
     out_item_shapes: list[tuple[int, ...]]
     _layouts: dict[int, P.CanonicalRows]
     image_max_bytes: int = 0  # a model of encoded images (one input of kind IMAGE): a row's most bytes; else 0
+    _slot_rows: dict[int, int] = field(default_factory=dict)  # image rows a slot's outputs hold, by out_capacity
 
     @classmethod
     def of(cls, info: P.ModelInfo) -> ModelPlan:
@@ -94,9 +96,14 @@ class ModelPlan:
         """None when ``images`` fit one slot of ``layout``, else the (first, end) rows of consecutive parts that
         each do: their row table and images within the input region, their outputs within the output region
         (PROTOCOL 3.1: a slot holds as many images as their bytes allow, not ``max_items``)."""
-        sizes = [int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-                 for dt, shape in zip(self.out_dtypes, self.out_item_shapes, strict=True)]
-        most = max(1, P.rows_within(sizes, layout.out_capacity, self.info.max_batch))
+        most = self._slot_rows.get(layout.out_capacity)
+        if most is None:
+            sizes = [math.prod(shape) * dt.itemsize for dt, shape in zip(self.out_dtypes, self.out_item_shapes,
+                                                                         strict=True)]
+            most = self._slot_rows[layout.out_capacity] = max(1, P.rows_within(sizes, layout.out_capacity,
+                                                                               self.info.max_batch))
+        if len(images) <= most and P.IMAGE_ROW.size * len(images) + sum(map(len, images)) <= layout.in_capacity:
+            return None
         spans, first, used = [], 0, 0
         for k, row in enumerate(images):
             need = P.IMAGE_ROW.size + len(row)
@@ -104,7 +111,7 @@ class ModelPlan:
                 spans.append((first, k))
                 first, used = k, 0
             used += need
-        return None if not spans else [*spans, (first, len(images))]
+        return [*spans, (first, len(images))]
 
     def input_offsets(self, rows: int) -> list[int]:
         return self.layout(rows).in_offsets

@@ -751,11 +751,13 @@ def image_row_bytes(max_bytes: int) -> int:
 def pack_image_table(lengths: Sequence[int]) -> tuple[bytes, list[int]]:
     """The row table of images of these lengths packed in order right after it, and each image's offset."""
     offsets = []
+    table: list[int] = []  # (offset, length) a row, flat: packed in one call, as IMAGE_ROW's each
     at = IMAGE_ROW.size * len(lengths)
     for n in lengths:
         offsets.append(at)
+        table += (at, n)
         at += n
-    return b"".join(IMAGE_ROW.pack(o, n) for o, n in zip(offsets, lengths, strict=True)), offsets
+    return struct.pack(f"<{len(table)}Q", *table), offsets
 
 
 def image_spans(table: bytes | memoryview, rows: int, nbytes: int) -> list[tuple[int, int]] | str:
