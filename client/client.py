@@ -68,7 +68,8 @@ log = logging.getLogger(__name__)
 
 # arrays; for a model of encoded images (ModelInfo input kind "image"), the bytes of one image or a sequence of them
 ImageBytes = bytes | bytearray | memoryview
-Inputs = np.ndarray | Mapping[str, np.ndarray] | ImageBytes | Sequence[ImageBytes]
+# tensors: an array, or arrays by input name; images: one file's bytes, or a list of them (or that by name)
+Inputs = np.ndarray | Mapping[str, np.ndarray] | ImageBytes | Sequence[ImageBytes] | Mapping[str, Sequence[ImageBytes]]
 __all__ = ["CLOSE_WAIT_S", "Callback", "Client", "Inputs", "Outputs"]  # what other modules import from here
 T = TypeVar("T")
 LEAD_HORIZON_S = 3600.0  # a Future's result() without a timeout leads this long at a time, then waits as usual
@@ -231,9 +232,9 @@ class Client:
         if type(inputs) is np.ndarray:
             if inputs.shape[:1] <= limit:
                 return None
-        elif isinstance(inputs, Mapping) and all(tuple(getattr(v, "shape", ()))[:1] <= limit
+        elif isinstance(inputs, Mapping) and all(type(v) is np.ndarray and v.shape[:1] <= limit
                                                  for v in inputs.values()):
-            return None
+            return None  # arrays that fit; anything else (a list of photos under the input's name) is split below
         plan = self._plan(model)
         arrays = self._arrays(plan, inputs)
         spans = self._spans(plan, arrays)

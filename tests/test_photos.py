@@ -204,6 +204,16 @@ def test_photos_past_a_slots_bytes_go_as_parts_in_order(photo_broker: RunningBro
     np.testing.assert_allclose(got, reference(data), atol=1e-2)
 
 
+def test_the_async_clients_parts_of_photos_are_the_rows_that_fit_a_slot(photo_broker: RunningBroker) -> None:
+    data = [_noise_jpeg(k, 1750) for k in range(4)]  # 3.4 MiB each: 3 fill a slot's input region
+    with _client(photo_broker) as c:
+        name = c.models["nsfw_photo"].info.inputs[0].name
+        for inputs in (data, {name: data}):  # AsyncClient awaits a slot's permit per part
+            parts = c.parts("nsfw_photo", inputs)
+            assert parts is not None and [len(p) for p in parts] == [3, 1]
+        assert c.parts("nsfw_photo", {name: data[:2]}) is None
+
+
 def test_asyncclient_scores_photos(photo_broker: RunningBroker) -> None:
     data = list(photo_files().values())[:4]
     want = reference(data)
