@@ -94,19 +94,17 @@ class FinishGraphs:
     ``finish`` of those rows into ``out[:n]`` (float32), queued on the current stream."""
 
     def __init__(self, torch: Any, recipe: Any, out: Any, rows: int, device: Any,
-                 finish: Callable[[Any], Any] | None = None) -> None:
+                 finish: Callable[[Any], Any]) -> None:
         """``out``: the slot's engine input, [max_batch, ...] float32 on ``device``; ``rows`` at most its
-        rows; ``finish``: crops to float32 rows (``FusedFinish``, shared by a stage's slots), the eager recipe
-        if None. Captures every bucket now (the caller's current stream and device are the slot's)."""
+        rows; ``finish``: the recipe's crops to float32 rows (``FusedFinish``, shared by a stage's slots).
+        Captures every bucket now (the caller's current stream and device are the slot's)."""
         self.rows = rows
         self.crops = torch.zeros((rows, 3, recipe.size, recipe.size), dtype=torch.float64, device=device)
         self._graphs: dict[int, Any] = {}
         pool = torch.cuda.graph_pool_handle()  # the buckets never run at once: one pool for their temporaries
 
-        rows_of = finish if finish is not None else (lambda crops: recipe.finish(crops).to(torch.float32))
-
         def step(b: int) -> None:
-            out[:b] = rows_of(self.crops[:b])
+            out[:b] = finish(self.crops[:b])
 
         for b in reversed(buckets(rows)):  # the largest first: it sizes the shared pool
             step(b)  # outside capture first: the recipe uploads its constants for this size then

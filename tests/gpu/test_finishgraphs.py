@@ -51,7 +51,7 @@ def test_more_rows_than_the_graphs_hold_are_refused() -> None:
     recipe = DeviceRecipe("imagenet", True, torch, lambda a: torch.as_tensor(a, device=dev))
     out = torch.zeros((4, 3, 224, 224), dtype=torch.float32, device=dev)
     with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
-        graphs = FinishGraphs(torch, recipe, out, 4, dev)
+        graphs = FinishGraphs(torch, recipe, out, 4, dev, lambda crops: recipe.finish(crops).to(torch.float32))
         with pytest.raises(ValueError, match="5 rows"):
             graphs.run(5)
 
