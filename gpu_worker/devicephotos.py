@@ -40,6 +40,7 @@ from shmbroker.gpu_worker.imageheader import JPEG, Header, read_header
 from shmbroker.gpu_worker.intake import ModelView, image_rows
 from shmbroker.gpu_worker.photos import PRESETS, ImageError, pillow_decode
 from shmbroker.gpu_worker.pipeline import PipelineRunner
+from shmbroker.gpu_worker.runner import Progress, quiet
 from shmbroker.gpu_worker.streams import StreamSlot
 from shmbroker.gpu_worker.work import ModelCounters, Work, reply
 
@@ -328,6 +329,13 @@ class DevicePhotos:
             end = min(len(images), start + self._finish_rows)
             out[start:end] = self._finish(crops[start:end])
 
+    def warm_up_step(self, slot: StreamSlot, slots: int) -> str:
+        """What ``warm_up(slot)`` is about to do, as a starting worker reports it."""
+        step = f"warming its photo stage on stream slot {slot.index + 1} of {slots} (CUDA graphs of its finish step)"
+        if self._finish.compiles_next:
+            step += "; TorchInductor compiles the finish step first, a minute or more where its cache is cold"
+        return step
+
     def warm_up(self, slot: StreamSlot) -> float:
         """Decode and preprocess one small image on the slot's stream (the first call of each sets up its
         library state); the seconds it took."""
@@ -378,12 +386,16 @@ class DevicePhotoRunner(PipelineRunner):
         self.batcher.kick()
         return False
 
-    def warm_up(self) -> None:
+    def warm_up(self, progress: Progress = quiet) -> None:
         """As the pipeline's (each slot's context at 1 and ``max_batch`` rows, then timed), but with no copy
         probe (rows reach the engine through the stage) and the stage warmed on each slot; the launch plan's
         lead starts at the stage's time for one small image and learns from the batches."""
+        progress(f"running its {len(self.slots)} stream slots at 1 and {self.model.max_batch} rows")
         first = self._warm_contexts()
-        took = [self.stage.warm_up(slot) for slot in self.slots]
+        took = []
+        for slot in self.slots:
+            progress(self.stage.warm_up_step(slot, len(self.slots)))
+            took.append(self.stage.warm_up(slot))
         if self.plan is not None:
             self.plan.prime(min(took))
         self._tell_batcher(list(getattr(first.ctx, "sizes", None) or ()))

@@ -43,6 +43,11 @@ class FusedFinish:
             self._eager_from_now(exc)
 
     @property
+    def compiles_next(self) -> bool:
+        """Whether the next call of two rows or more compiles (the first such, unless the compiler failed)."""
+        return self._compiled is not None and not self._compiled_once
+
+    @property
     def compiled(self) -> bool:
         """Whether calls go through the compiled function (False once it failed)."""
         return self._compiled is not None

@@ -22,7 +22,7 @@ from shmbroker.gpu_worker.intake import ModelView, Photos
 from shmbroker.gpu_worker.photorunner import PhotoRunner
 from shmbroker.gpu_worker.photos import Preprocessor, make_decoder
 from shmbroker.gpu_worker.pipeline import PipelineRunner
-from shmbroker.gpu_worker.runner import BatchRunner, ModelRunner
+from shmbroker.gpu_worker.runner import BatchRunner, ModelRunner, Progress, quiet
 from shmbroker.gpu_worker.warmup import prime
 from shmbroker.gpu_worker.work import ModelCounters, Work
 
@@ -36,8 +36,9 @@ class ServedModel:
         self.runner = runner
 
 
-def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
-    """Load, check and warm up every configured model; EngineError names the model that failed.
+def build_models(cfg: Config, device: str, progress: Progress = quiet) -> dict[int, ServedModel]:
+    """Load, check and warm up every configured model, telling ``progress`` each step (``model NAME (K of N):
+    STEP``); EngineError names the model that failed.
 
     On a GPU worker (``device`` an ordinal) the calling thread selects that device first: it is the IO
     thread, which later unregisters rings; the pipeline's own threads select it themselves.
@@ -47,19 +48,26 @@ def build_models(cfg: Config, device: str) -> dict[int, ServedModel]:
     served: dict[int, ServedModel] = {}
     for model_id, (name, mc) in enumerate(cfg.models.items()):
         t0 = time.monotonic()
+        step = _steps(progress, f"model {name} ({model_id + 1} of {len(cfg.models)})")
+        step(f"loading its {mc.engine} engine")
         engine = load_engine(mc.engine, model_source.resolve(cfg.model_path(name)), device=device, model=mc)
         view = model_view(model_id, name, mc, engine)
         lone = lone_engine(cfg, name)
         batcher: Batcher[Work] = Batcher(BatchPolicy.from_config(mc, device=is_device_engine(engine)))
+        step("building its photo stage" if view.photos is not None else "building its runner")
         if view.photos is not None:
             runner: BatchRunner = photo_runner(view, engine, batcher, mc, lone)
         else:
             runner = make_runner(view, engine, batcher, mc.streams, mc.instances, lone)
         if mc.warmup:
-            prime(runner)
+            prime(runner, step)
         served[model_id] = ServedModel(view, engine, runner)
         log.info("model %s ready on %s in %.2f s", name, device, time.monotonic() - t0)
     return served
+
+
+def _steps(progress: Progress, model: str) -> Progress:
+    return lambda step: progress(f"{model}: {step}")
 
 
 def model_view(model_id: int, name: str, mc: ModelSection, engine: Engine) -> ModelView:

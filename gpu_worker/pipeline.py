@@ -36,7 +36,7 @@ from shmbroker.gpu_worker.engines.base import DeviceEngine
 from shmbroker.gpu_worker.histogram import Histogram
 from shmbroker.gpu_worker.intake import ModelView
 from shmbroker.gpu_worker.launchplan import LaunchPlan
-from shmbroker.gpu_worker.runner import BatchRunner
+from shmbroker.gpu_worker.runner import BatchRunner, Progress, quiet
 from shmbroker.gpu_worker.streams import EVENT_STAGES, CopyPlan, StreamSlot, issue, probe_batched_copies
 from shmbroker.gpu_worker.work import ModelCounters, Work, complete_ok
 
@@ -176,10 +176,11 @@ class PipelineRunner(BatchRunner):
                 log.error("model %s: closing stream slot %d failed: %s", self.model.name, slot.index, exc)
 
     # -- warm-up -------------------------------------------------------------------------------------------
-    def warm_up(self) -> None:
+    def warm_up(self, progress: Progress = quiet) -> None:
         """Run every stream slot's context at 1 row and ``max_batch`` rows (CUDA graphs are captured then, not
         on the first requests), and time one max batch with the slot's events; then tell the batcher the
         prepared batch sizes and the launch plan's bound (``Batcher.device_ready``)."""
+        progress(f"running its {len(self.slots)} stream slots at 1 and {self.model.max_batch} rows")
         slot = self._warm_contexts()
         self.copy_probe = probe_batched_copies(slot, self.model.inputs[0].item_bytes, self.model.max_batch)
         self.copies.batched = bool(self.copy_probe["batched"])

@@ -29,6 +29,12 @@ from shmbroker.gpu_worker.work import ModelCounters, Work, complete_ok, reply
 
 log = logging.getLogger(__name__)
 
+Progress = Callable[[str], None]  # told each step of a long start (the worker sends it on to the broker)
+
+
+def quiet(step: str) -> None:
+    """A ``Progress`` that tells no one."""
+
 INLINE_BELOW_S = 200e-6
 # One sample moves the average by at most a tenth of this: a run stretched by the hypervisor or a
 # preempted core (milliseconds on a busy virtual machine) must not flip a cheap model to its runner thread.
@@ -100,8 +106,9 @@ class BatchRunner:
     def _run(self, take: Take[Work]) -> None:
         raise NotImplementedError
 
-    def warm_up(self) -> None:
-        """Prepare the runner's own resources after the engine's warm-up (the GPU pipeline's streams)."""
+    def warm_up(self, progress: Progress = quiet) -> None:
+        """Prepare the runner's own resources after the engine's warm-up (the GPU pipeline's streams), telling
+        ``progress`` each long step."""
 
     def try_inline(self, watch: bool = False) -> bool:
         """Run a due batch on the caller's (intake) thread when the model is cheap and the runner idle.

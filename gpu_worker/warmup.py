@@ -8,18 +8,20 @@ import numpy as np
 
 from shmbroker.gpu_worker.engines.base import Engine, EngineError
 from shmbroker.gpu_worker.intake import ModelView
-from shmbroker.gpu_worker.runner import BatchRunner
+from shmbroker.gpu_worker.runner import BatchRunner, Progress, quiet
 
 
-def prime(runner: BatchRunner) -> None:
+def prime(runner: BatchRunner, progress: Progress = quiet) -> None:
     """Warm a model up before READY: the engine (outputs checked, one-row time measured), then the runner's
-    own resources (a GPU pipeline runs each stream slot's context at 1 and ``max_batch`` rows).
+    own resources (a GPU pipeline runs each stream slot's context at 1 and ``max_batch`` rows), telling
+    ``progress`` each step.
 
     The one-row time primes the inline choice of a host engine; a GPU runner launches inline only while its
     device is idle, whatever the time.
     """
+    progress(f"warming up its engine at 1 and {runner.model.max_batch} rows")
     runner.avg_run_s = warm_up(runner.engine, runner.model)
-    runner.warm_up()
+    runner.warm_up(progress)
 
 
 def warm_up(engine: Engine, model: ModelView, repeats: int = 5) -> float:

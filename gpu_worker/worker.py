@@ -83,7 +83,7 @@ class Worker:
         self._ctl.connect(runtime.endpoint(self.runtime_dir, runtime.WORKERS_SOCKET))
         self._send_ctl(P.WorkerHello(P.PROTOCOL_VERSION, self.worker_id, os.getpid()))
         try:
-            self.models = build_models(self.cfg, self.device)
+            self.models = build_models(self.cfg, self.device, self._progress)
         except Exception as exc:  # noqa: BLE001 - any load failure is reported to the broker (health shows it)
             log.error("worker %d could not load its models: %s", self.worker_id, exc)
             self._send_ctl(P.WorkerFailed(self.worker_id, f"{type(exc).__name__}: {exc}"))
@@ -455,6 +455,10 @@ class Worker:
         in_flight = sum(len(s.in_flight) for s in self.sessions.values())
         return P.WorkerStats(self.worker_id, os.getpid(), self.restarts, models, in_flight, self.device,
                              dict(self.dropped))
+
+    def _progress(self, step: str) -> None:
+        """Tell the broker the next step of this worker's start: its start deadline counts from the latest."""
+        self._send_ctl(P.WorkerProgress(self.worker_id, step))
 
     def _send_ctl(self, msg: msgspec.Struct) -> None:
         self._ctl.send_multipart(P.encode(msg))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grp
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -114,6 +115,13 @@ def test_health_cli(process_broker, tmp_path: Path) -> None:
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "no broker answered on the runtime directory" in bad.stderr, bad.stderr
     assert "within --wait 0.5 s" in bad.stderr, bad.stderr
+
+
+def test_the_broker_logs_each_step_of_a_workers_start(process_broker) -> None:
+    """An operator reading the journal sees what a starting worker is doing (a first start can take minutes)."""
+    log = process_broker.log()
+    for step in ("loading its onnxruntime engine", "building its runner", "warming up its engine at 1 and"):
+        assert re.search(rf"worker 0: model tiny \(\d of \d\): {step}", log), log
 
 
 def test_dead_worker_is_restarted_and_clients_are_told(process_broker) -> None:

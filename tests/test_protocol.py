@@ -78,6 +78,7 @@ CONTROL_SAMPLES: list[msgspec.Struct] = [
     P.WorkerHello(protocol=1, worker_id=2, pid=999),
     P.WorkerReady(worker_id=2, endpoint="ipc:///tmp/w.sock", models=[_MODEL]),
     P.WorkerFailed(worker_id=2, reason="CUDA out of memory"),
+    P.WorkerProgress(worker_id=2, step="model nsfw (1 of 2): loading its torch engine"),
     P.Attach(**{**_RING, "token": 55}, client_uid=1000),
     P.AttachOk(session_id=7, reply_endpoint="ipc:///tmp/r.sock"),
     P.AttachFailed(session_id=7, reason="cannot map segment: No such file or directory"),
@@ -185,7 +186,7 @@ def test_wrong_version(version: int) -> None:
     assert issubclass(P.VersionError, P.ProtocolError)
 
 
-@pytest.mark.parametrize("kind", [0, 13, 19, 31, 34, 0xFFFF])
+@pytest.mark.parametrize("kind", [0, 13, 19, 34, 39, 0xFFFF])
 def test_unknown_kind(kind: int) -> None:
     frames = [P.ENVELOPE.pack(P.PROTOCOL_VERSION, kind), _BODY]
     with pytest.raises(P.ProtocolError, match=f"unknown message kind {kind}"):

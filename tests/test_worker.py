@@ -57,12 +57,22 @@ class FakeBroker:
 
     def recv(self, kind: type[M], wait: float = WAIT_S) -> M:
         if not self.sock.poll(int(wait * 1000)):
-            raise AssertionError(f"no {kind.__name__} from the worker within {wait} s")
+            raise AssertionError(f"no {getattr(kind, '__name__', kind)} from the worker within {wait} s")
         self.identity, *frames = self.sock.recv_multipart()
         msg = P.decode(frames)
-        if not isinstance(msg, kind):
-            raise AssertionError(f"expected {kind.__name__}, got {msg!r}")
+        if not isinstance(msg, kind):  # a union of kinds too
+            raise AssertionError(f"expected {getattr(kind, '__name__', kind)}, got {msg!r}")
         return msg
+
+    def started(self, kind: type[M], wait: float = WAIT_S) -> tuple[M, list[str]]:
+        """The worker's ``kind`` (WorkerReady or WorkerFailed) that ends its start, and the steps it reported
+        before it (WorkerProgress)."""
+        steps = []
+        while True:
+            msg = self.recv(P.WorkerProgress | kind, wait)  # type: ignore[arg-type]
+            if not isinstance(msg, P.WorkerProgress):
+                return msg, steps
+            steps.append(msg.step)
 
     def send(self, msg: msgspec.Struct) -> None:
         self.sock.send_multipart([self.identity, *P.encode(msg)])
@@ -98,6 +108,7 @@ class Served:
     proc: subprocess.Popen[bytes]
     hello: P.WorkerHello
     ready: P.WorkerReady
+    steps: list[str]
     log_path: Path
 
     def log(self) -> str:
@@ -112,7 +123,8 @@ def serving(tmp: Path, models: dict[str, dict[str, Any]] | None = None) -> Itera
     broker = FakeBroker(runtime_dir)
     proc = start_worker(runtime_dir, _config(models or {"tiny": TINY}), tmp / "worker.log")
     try:
-        yield Served(broker, proc, broker.recv(P.WorkerHello), broker.recv(P.WorkerReady), tmp / "worker.log")
+        hello = broker.recv(P.WorkerHello)
+        yield Served(broker, proc, hello, *broker.started(P.WorkerReady), tmp / "worker.log")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -150,6 +162,10 @@ def test_hello_then_ready_name_the_worker_its_private_endpoint_and_its_models(se
     assert served.ready == P.WorkerReady(0, runtime.worker_endpoint(served.broker.runtime_dir, 0), [TINY_INFO])
     path = served.ready.endpoint.removeprefix("ipc://")
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # only the broker's user (no broker.group set)
+    # each step of its start reported before it is taken: the broker's start deadline counts from the latest
+    assert served.steps == ["model tiny (1 of 1): loading its onnxruntime engine",
+                            "model tiny (1 of 1): building its runner",
+                            "model tiny (1 of 1): warming up its engine at 1 and 16 rows"]
 
 
 def test_stats_are_answered_by_id_and_count_submits_dropped_without_an_answer(served: Served) -> None:
@@ -202,12 +218,13 @@ def test_a_model_that_cannot_load_is_reported_and_the_worker_exits_3(tmp_path: P
         proc = start_worker(runtime_dir, _config({"tiny": TINY, "broken": {"path": str(bad)}}),
                             tmp_path / "worker.log")
         assert broker.recv(P.WorkerHello).pid == proc.pid
-        failed = broker.recv(P.WorkerFailed)
+        failed, steps = broker.started(P.WorkerFailed)
         assert proc.wait(30) == 3
     finally:
         broker.close()
     assert failed.worker_id == 0
     assert str(bad) in failed.reason, failed.reason  # the reason names the file that failed
+    assert steps[-1] == "model broken (2 of 2): loading its onnxruntime engine", steps  # the step that failed
     assert not os.path.exists(runtime.worker_endpoint(runtime_dir, 0).removeprefix("ipc://"))
 
 
@@ -246,7 +263,7 @@ def test_a_worker_whose_broker_dies_stops_cleanly(tmp_path: Path) -> None:
         parent.stdin.close()
         worker = int(parent.stdout.readline())
         assert broker.recv(P.WorkerHello).pid == worker
-        ready = broker.recv(P.WorkerReady)
+        ready, _ = broker.started(P.WorkerReady)
         parent.kill()
         parent.wait(30)
         assert process_gone(worker, 30), "the worker outlived its broker"

@@ -32,7 +32,7 @@ class BrokerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     runtime_dir: str = ""  # SHMBROKER_RUNTIME_DIR, then this, then /run/shmbroker, then a per-user dir
     group: str = ""  # when set, segments and sockets are 0660 and owned by this group
     handshake_timeout_ms: Ms = 5000
-    worker_start_timeout_ms: Ms = 120_000
+    worker_start_timeout_ms: Ms = 120_000  # a starting worker's longest step (WORKER_PROGRESS), not its whole start
     restart_backoff_ms: Annotated[int, Meta(ge=0, le=60_000)] = 200
     session_check_ms: Ms = 1000
     worker_mode: Literal["process", "thread"] = "process"

@@ -65,6 +65,7 @@ class MsgKind(enum.IntEnum):
     WORKER_STATS_REPLY = 28
     SHUTDOWN = 29
     ATTACH_FAILED = 30
+    WORKER_PROGRESS = 31
     # client <-> worker (data plane, binary bodies)
     SUBMIT = 32
     DONE = 33
@@ -385,6 +386,14 @@ class WorkerFailed(msgspec.Struct, frozen=True):
     reason: str
 
 
+class WorkerProgress(msgspec.Struct, frozen=True):
+    """A starting worker begins a step of its start (loading, building or warming up one model): the broker's
+    start deadline counts from the latest, and health shows it."""
+
+    worker_id: int
+    step: str
+
+
 class Attach(SessionRing, frozen=True):
     client_uid: int  # the only user whose connection to the session's reply socket the worker admits
 
@@ -444,6 +453,7 @@ CONTROL_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
     MsgKind.WORKER_STATS_REPLY: WorkerStatsReply,
     MsgKind.SHUTDOWN: Shutdown,
     MsgKind.ATTACH_FAILED: AttachFailed,
+    MsgKind.WORKER_PROGRESS: WorkerProgress,
 }
 KIND_OF: dict[type[msgspec.Struct], MsgKind] = {v: k for k, v in CONTROL_TYPES.items()}
 _ENCODER = msgspec.json.Encoder()

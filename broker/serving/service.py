@@ -325,6 +325,9 @@ class Broker:
             return
         if isinstance(msg, P.WorkerReady):
             self._worker_ready(w, msg)
+        elif isinstance(msg, P.WorkerProgress):
+            self.supervisor.progress(w, msg.step, time.monotonic())
+            log.info("worker %d: %s", w.worker_id, w.step)
         elif isinstance(msg, P.WorkerFailed):
             w.reason = f"model load failed: {msg.reason}"
             log.error("worker %d: %s", w.worker_id, w.reason)

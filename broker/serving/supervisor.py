@@ -22,6 +22,7 @@ from shmbroker.broker.common.config import Config
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
+STEP_CHARS = 300  # a worker's step as the broker keeps, logs and reports it
 
 
 class StartupFailed(RuntimeError):
@@ -150,6 +151,8 @@ class WorkerSlot:
     restarts: int = 0
     restart_at: float = 0.0
     started_at: float = 0.0
+    step: str = ""  # a starting worker's latest step (WORKER_PROGRESS), and when it began
+    step_at: float = 0.0
     reason: str = ""
     ever_ready: bool = False  # a worker that fails before its first READY stops the broker (StartupFailed)
 
@@ -171,7 +174,8 @@ class Supervisor:
     def _start(self, w: WorkerSlot) -> None:
         w.phase = WorkerPhase.STARTING
         w.identity = b""
-        w.started_at = time.monotonic()
+        w.started_at = w.step_at = time.monotonic()
+        w.step = ""
         w.launch = self._launch_cls(self.cfg, w.worker_id, self.runtime_dir, w.restarts)
         log.info("worker %d (%s) started, pid %d", w.worker_id, w.device, w.launch.pid)
 
@@ -193,11 +197,18 @@ class Supervisor:
                     raise StartupFailed(f"worker {w.worker_id} (device {w.device}) failed at start-up: {reason}")
                 died.append(w)
                 self._mark_down(w, now, reason)
-            elif w.phase is WorkerPhase.STARTING and now - w.started_at > start_timeout and w.launch is not None:
-                w.reason = f"not ready after {start_timeout:.0f} s (raise broker.worker_start_timeout_ms)"
+            elif w.phase is WorkerPhase.STARTING and now - w.step_at > start_timeout and w.launch is not None:
+                at = f" at {w.step!r}" if w.step else ""
+                w.reason = (f"not ready after {now - w.started_at:.0f} s, {start_timeout:.0f} s of them with no "
+                            f"progress{at} (raise broker.worker_start_timeout_ms)")
                 log.error("worker %d %s; killing it", w.worker_id, w.reason)
                 w.launch.stop(kill=True)
         return died
+
+    def progress(self, w: WorkerSlot, step: str, now: float) -> None:
+        """A starting ``w`` began ``step``: its start deadline counts from ``now``."""
+        if w.phase is WorkerPhase.STARTING:
+            w.step, w.step_at = step[:STEP_CHARS], now
 
     def _mark_down(self, w: WorkerSlot, now: float, reason: str) -> None:
         failed = w.reason.startswith("model load")
