@@ -34,6 +34,7 @@ PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 HEALTH_ANSWER_S = 2.0  # without --wait: how long a listening broker has to answer HEALTH
 MODELS_ANSWER_S = 10.0  # without --wait: how long a listening broker has to answer the models' HELLO
+HEALTH_PROGRESS_S = 5.0  # with --wait: how often health asks again, saying on stderr what is not ready yet
 
 
 # the installs by role (pyproject.toml's extras): the modules a command needs beyond the base install
@@ -197,7 +198,12 @@ def _ask(args: argparse.Namespace, question: Callable[[float], msgspec.Struct], 
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    reply, asker = _ask(args, lambda left: P.Health(wait_ms=int(left * 1000)), HEALTH_ANSWER_S)
+    if args.wait:  # a first start can take minutes: say every few seconds what the broker waits for
+        said = [""]
+        reply, asker = _ask(args, lambda left: P.Health(wait_ms=int(min(left, HEALTH_PROGRESS_S) * 1000)),
+                            HEALTH_ANSWER_S, lambda reply: _still_starting(reply, said))
+    else:
+        reply, asker = _ask(args, lambda left: P.Health(wait_ms=int(left * 1000)), HEALTH_ANSWER_S)
     asker.close()
     if not isinstance(reply, P.HealthReply):
         raise CliError(f"the broker answered HEALTH with {type(reply).__name__}: {reply}")
@@ -210,6 +216,17 @@ def cmd_health(args: argparse.Namespace) -> int:
         _err((reply.reason or "not ready") + (f" (after --wait {args.wait:g} s)" if args.wait else ""))
         return 1
     return 0
+
+
+def _still_starting(reply: msgspec.Struct, said: list[str]) -> bool:
+    """True for a HealthReply that is not ready (ask again), its reason said on stderr unless said last."""
+    if not isinstance(reply, P.HealthReply) or reply.ready:
+        return False
+    if reply.reason != said[0]:
+        _err(f"health: waiting: {reply.reason}")
+        sys.stderr.flush()
+        said[0] = reply.reason
+    return True
 
 
 def _stats_lines(reply: P.StatsReply) -> Iterator[str]:

@@ -31,6 +31,7 @@ from shmbroker.broker.common.ask import ask_broker
 from shmbroker.broker.common.peergate import PeerGate
 from shmbroker.broker.common.ring import RingLayout, Segment, segment_name
 from shmbroker.client.receiving import Receiver
+from shmbroker.gpu_worker import model_source
 from shmbroker.gpu_worker.sessions import WorkerSession
 from shmbroker.gpu_worker.work import Work
 from tests.hostdevice import HostDevice
@@ -309,6 +310,21 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def fifo_model(tmp: Path) -> tuple[Path, str]:
+    """A model ``slow`` whose file is a FIFO, and its config section: its worker waits in the start step that
+    loads it until ``release_fifo_model`` writes the model into the FIFO (a step as long as the test wants,
+    whatever the machine's speed)."""
+    fifo = tmp / "slow.onnx"
+    os.mkfifo(fifo)
+    return fifo, f'[models.slow]\npath = "{fifo}"\nmax_batch = 4\ntimeout_ms = 2000\nintra_op_threads = 1\n'
+
+
+def release_fifo_model(fifo: Path) -> None:
+    """Write the tiny built-in model into ``fifo_model``'s FIFO (blocks until its worker opens it)."""
+    tiny = model_source.resolve("builtin:tiny")
+    fifo.write_bytes(tiny if isinstance(tiny, bytes) else Path(tiny).read_bytes())
 
 
 def start_broker(tmp: Path, mode: str = "process", extra: str = "", models: str = TEST_MODELS,

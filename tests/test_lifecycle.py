@@ -18,7 +18,7 @@ import pytest
 from shmbroker.client import Client, WorkerDied
 from shmbroker.gpu_worker import model_source
 from shmbroker.gpu_worker.cuda import available as cuda_available
-from tests.conftest import CLI, REPO, arr, start_broker, write_config
+from tests.conftest import CLI, REPO, arr, fifo_model, launch_broker, release_fifo_model, start_broker, write_config
 from tests.models import direct
 
 X = np.ones((1, 256), np.float32)
@@ -122,6 +122,47 @@ def test_the_broker_logs_each_step_of_a_workers_start(process_broker) -> None:
     log = process_broker.log()
     for step in ("loading its onnxruntime engine", "building its runner", "warming up its engine at 1 and"):
         assert re.search(rf"worker 0: model tiny \(\d of \d\): {step}", log), log
+
+
+def test_health_wait_says_what_a_starting_worker_is_doing_until_it_is_ready(tmp_path: Path) -> None:
+    fifo, models = fifo_model(tmp_path)
+    b = launch_broker(tmp_path, models=models)
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(b.runtime_dir))
+    try:
+        health = subprocess.Popen([*CLI, "health", "--wait", "120"], env=env, cwd=REPO, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert health.stderr is not None
+        step = " s at model slow (1 of 1): loading its onnxruntime engine)"
+        # a progress line every few seconds; the first may come before the worker has said its first step
+        seen = []
+        for line in health.stderr:
+            seen.append(line)
+            assert line.startswith("shmbroker: health: waiting: models not ready: slow (worker 0 starting for "), seen
+            if line.rstrip().endswith(step):
+                break
+        assert seen and seen[-1].rstrip().endswith(step), seen
+        release_fifo_model(fifo)  # the load goes on
+        out, err = health.communicate(timeout=120)
+        assert health.returncode == 0, err
+        assert out == "slow: ready (1/1 workers)\n", out
+        assert "worker 0: model slow (1 of 1): warming up its engine at 1 and 4 rows" in b.log()
+    finally:
+        b.stop()
+
+
+def test_a_worker_start_with_no_progress_for_the_timeout_stops_serve_naming_the_step(tmp_path: Path) -> None:
+    """The FIFO is never written: its load makes no progress, and the broker gives up on it after
+    broker.worker_start_timeout_ms (a worker never ready stops serve)."""
+    _fifo, models = fifo_model(tmp_path)
+    cfg = write_config(tmp_path / "broker.toml", "process", "worker_start_timeout_ms = 1000", models=models)
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(tmp_path / "run"))
+    r = subprocess.run([*CLI, "serve", "--config", str(cfg)], env=env, cwd=REPO,
+                       capture_output=True, text=True, check=False, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("shmbroker: worker 0 (device cpu) failed at start-up: not ready after "), last
+    assert last.endswith(" s of them with no progress at 'model slow (1 of 1): loading its onnxruntime "
+                         "engine' (raise broker.worker_start_timeout_ms)"), last
 
 
 def test_dead_worker_is_restarted_and_clients_are_told(process_broker) -> None:

@@ -22,7 +22,7 @@ import pytest
 from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.ask import ask_broker
 from shmbroker.broker.ops.notify import Notifier
-from tests.conftest import CLI, REPO, free_port, write_config
+from tests.conftest import CLI, REPO, fifo_model, free_port, release_fifo_model, write_config
 
 WATCHDOG_USEC = 400_000  # pings expected every 0.2 s
 SO_PASSCRED = getattr(socket, "SO_PASSCRED", 16)
@@ -109,6 +109,34 @@ def test_ready_after_warmup_watchdog_at_rate_and_stopping_on_sigterm(tmp_path: P
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        notify.sock.close()
+
+
+def test_each_step_of_a_start_extends_systemds_start_timeout_and_shows_in_status(tmp_path: Path) -> None:
+    """A first start may outlast TimeoutStartSec while it makes progress: each worker step asks for the step's
+    deadline (broker.worker_start_timeout_ms) and a margin more, and STATUS= names the step."""
+    notify = NotifySocket(tmp_path / "notify.sock")
+    fifo, models = fifo_model(tmp_path)
+    cfg = write_config(tmp_path / "broker.toml", "process", "worker_start_timeout_ms = 60000", models=models)
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(tmp_path / "run"), NOTIFY_SOCKET=str(tmp_path / "notify.sock"))
+    proc = subprocess.Popen([*CLI, "serve", "--config", str(cfg)], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        seen: list[dict[str, str]] = []
+        fields, pid, _t = notify.until("EXTEND_TIMEOUT_USEC", 60, seen)
+        assert pid == proc.pid and fields["EXTEND_TIMEOUT_USEC"] == str(70_000_000), fields
+        while "loading its onnxruntime engine" not in fields.get("STATUS", ""):  # the worker is held there
+            fields, _pid, _t = notify.recv(60)
+            seen.append(fields)
+        assert fields["STATUS"].startswith("starting: models not ready: slow (worker 0 starting for "), fields
+        release_fifo_model(fifo)
+        fields, _pid, _t = notify.until("READY", 60, seen)
+        assert fields["STATUS"].startswith("ready"), fields
+        assert sum("EXTEND_TIMEOUT_USEC" in m for m in seen) == 3, seen  # loading, building, warming up
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        if proc.wait(30) != 0:
+            proc.kill()
         notify.sock.close()
 
 

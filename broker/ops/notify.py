@@ -66,6 +66,11 @@ class Notifier:
     def status(self, status: str) -> None:
         self.send(f"STATUS={status}")
 
+    def extend(self, seconds: float) -> None:
+        """Ask for ``seconds`` more of the start (EXTEND_TIMEOUT_USEC): a start that makes progress may outlast
+        the unit's TimeoutStartSec."""
+        self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
+
     def stopping(self, status: str = "stopping") -> None:
         self.send("STOPPING=1", f"STATUS={status}")
 

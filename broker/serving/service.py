@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 50
 STATS_TIMEOUT_S = 2.0
+EXTEND_MARGIN_S = 10.0  # a start step past its deadline is the broker's to end (it names the step), not systemd's
 
 
 @dataclass
@@ -328,6 +329,8 @@ class Broker:
         elif isinstance(msg, P.WorkerProgress):
             self.supervisor.progress(w, msg.step, time.monotonic())
             log.info("worker %d: %s", w.worker_id, w.step)
+            if self._notifier is not None and not w.ever_ready:  # systemd's start timeout: as the step's, and then some
+                self._notifier.extend(self.cfg.broker.worker_start_timeout_ms / 1e3 + EXTEND_MARGIN_S)
         elif isinstance(msg, P.WorkerFailed):
             w.reason = f"model load failed: {msg.reason}"
             log.error("worker %d: %s", w.worker_id, w.reason)
