@@ -155,11 +155,7 @@ def test_a_worker_start_with_no_progress_for_the_timeout_stops_serve_naming_the_
     broker.worker_start_timeout_ms (a worker never ready stops serve)."""
     _fifo, models = fifo_model(tmp_path)
     cfg = write_config(tmp_path / "broker.toml", "process", "worker_start_timeout_ms = 1000", models=models)
-    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(tmp_path / "run"))
-    r = subprocess.run([*CLI, "serve", "--config", str(cfg)], env=env, cwd=REPO,
-                       capture_output=True, text=True, check=False, timeout=120)
-    assert r.returncode == 1, r.stderr[-2000:]
-    last = r.stderr.strip().splitlines()[-1]
+    last = _serve_fails(cfg, tmp_path / "run")
     assert last.startswith("shmbroker: worker 0 (device cpu) failed at start-up: not ready after "), last
     assert last.endswith(" s of them with no progress at 'model slow (1 of 1): loading its onnxruntime "
                          "engine' (raise broker.worker_start_timeout_ms)"), last
@@ -206,6 +202,15 @@ def test_bad_config_is_refused_with_the_key(tmp_path: Path) -> None:
                        capture_output=True, text=True, check=False, timeout=60)
     assert r.returncode == 2
     assert "models.tiny.max_batch" in r.stderr and "int" in r.stderr
+
+
+def _serve_fails(cfg: Path, runtime_dir: Path) -> str:
+    """Run ``serve`` on ``cfg``, which must stop at start-up with exit 1; the last line of its stderr."""
+    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(runtime_dir))
+    r = subprocess.run([*CLI, "serve", "--config", str(cfg)], env=env, cwd=REPO,
+                       capture_output=True, text=True, check=False, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    return r.stderr.strip().splitlines()[-1]
 
 
 def test_a_model_that_fails_at_start_up_stops_serve_with_the_reason(tmp_path: Path) -> None:
@@ -256,9 +261,5 @@ def test_a_worker_that_fails_after_start_up_is_restarted_with_backoff(tmp_path: 
 def test_a_gpu_that_is_not_there_stops_serve(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "broker.toml", "process", extra="", models='[worker]\ndevices = [0]\n'
                        '[models.tiny]\npath = "builtin:tiny"\n')
-    env = dict(os.environ, SHMBROKER_RUNTIME_DIR=str(tmp_path / "run"))
-    r = subprocess.run([*CLI, "serve", "--config", str(cfg)], env=env, cwd=REPO,
-                       capture_output=True, text=True, check=False, timeout=120)
-    assert r.returncode == 1, r.stderr[-2000:]
-    last = r.stderr.strip().splitlines()[-1]
+    last = _serve_fails(cfg, tmp_path / "run")
     assert last.startswith("shmbroker: worker 0 (device 0) failed at start-up: model load failed"), last
