@@ -390,8 +390,7 @@ class DevicePhotoRunner(PipelineRunner):
         """As the pipeline's (each slot's context at 1 and ``max_batch`` rows, then timed), but with no copy
         probe (rows reach the engine through the stage) and the stage warmed on each slot; the launch plan's
         lead starts at the stage's time for one small image and learns from the batches."""
-        progress(f"running its {len(self.slots)} stream slots at 1 and {self.model.max_batch} rows")
-        first = self._warm_contexts()
+        first = self._warm_contexts(progress)
         took = []
         for slot in self.slots:
             progress(self.stage.warm_up_step(slot, len(self.slots)))

@@ -180,8 +180,7 @@ class PipelineRunner(BatchRunner):
         """Run every stream slot's context at 1 row and ``max_batch`` rows (CUDA graphs are captured then, not
         on the first requests), and time one max batch with the slot's events; then tell the batcher the
         prepared batch sizes and the launch plan's bound (``Batcher.device_ready``)."""
-        progress(f"running its {len(self.slots)} stream slots at 1 and {self.model.max_batch} rows")
-        slot = self._warm_contexts()
+        slot = self._warm_contexts(progress)
         self.copy_probe = probe_batched_copies(slot, self.model.inputs[0].item_bytes, self.model.max_batch)
         self.copies.batched = bool(self.copy_probe["batched"])
         if self.plan is not None:
@@ -192,9 +191,10 @@ class PipelineRunner(BatchRunner):
                  self.model.max_batch, self.max_batch_ms,
                  "in one cudaMemcpyBatchAsync" if self.copies.batched else "one call per tensor", self.copy_probe)
 
-    def _warm_contexts(self) -> StreamSlot:
+    def _warm_contexts(self, progress: Progress) -> StreamSlot:
         """Run every slot's context at 1 row and ``max_batch`` rows, and time both on the first slot (its events,
         the median of three), which it returns."""
+        progress(f"running its {len(self.slots)} stream slots at 1 and {self.model.max_batch} rows")
         cuda.set_device(self.device)
         for slot in self.slots:
             for rows in sorted({1, self.model.max_batch}):
