@@ -1,4 +1,5 @@
-"""The dynamic batcher of one model: a bounded FIFO that hands out batches by its policy's rule.
+"""The dynamic batcher of one model: a bounded FIFO that hands out batches by its policy's rule (with
+``by_session``, a batch takes each session's queued requests together, sessions by their oldest request).
 
 Invariant: a request is in the queue, or in exactly one batch, or answered expired; never two of these.
 A batch forms at once when the rule says so (``BatchingRule.at_once``: ``max_batch`` rows, a preferred size,
@@ -35,6 +36,9 @@ class Entry(Protocol):
     @property
     def enqueued(self) -> float: ...
 
+    @property
+    def session(self) -> object: ...  # the client session that sent it (``BatchPolicy.by_session`` groups by it)
+
 
 E = TypeVar("E", bound=Entry)
 
@@ -47,6 +51,7 @@ class Queued(Generic[T]):
     rows: int
     deadline: float
     enqueued: float = field(default_factory=time.monotonic)
+    session: object = None
 
 
 @dataclass(slots=True)
@@ -72,6 +77,7 @@ class Batcher(Generic[E]):
     def __init__(self, policy: BatchPolicy) -> None:
         self.policy = policy
         self.rule = policy.new_rule()
+        self._by_session = policy.by_session
         self._at_once = self.rule.at_once  # bound once: called on every put and take
         self.max_batch = policy.max_batch
         self._running = 0
@@ -261,7 +267,10 @@ class Batcher(Generic[E]):
                     self._filling = 0
 
     def _pop_rows(self, room: int) -> list[E]:
-        """Queued requests in order while they fit ``room`` rows; ``running`` is the caller's to count."""
+        """Queued requests in order while they fit ``room`` rows (with ``by_session``, in ``_session_order``);
+        ``running`` is the caller's to count."""
+        if self._by_session and len(self._q) > 1:
+            return self._pop_by_session(room)
         out: list[E] = []
         rows = 0
         while self._q and rows + self._q[0].rows <= room:
@@ -270,6 +279,31 @@ class Batcher(Generic[E]):
             out.append(e)
         self._items -= rows
         return out
+
+    def _pop_by_session(self, room: int) -> list[E]:
+        """``_pop_rows`` in ``_session_order``; the requests left keep their order."""
+        out: list[E] = []
+        rows = 0
+        for e in self._session_order():
+            if rows + e.rows > room:
+                break
+            rows += e.rows
+            out.append(e)
+        if len(out) == len(self._q):
+            self._q.clear()
+        elif out:
+            taken = set(map(id, out))
+            self._q = deque(e for e in self._q if id(e) not in taken)
+        self._items -= rows
+        return out
+
+    def _session_order(self) -> list[E]:
+        """The queue with each session's requests together, in their order, the sessions by their oldest
+        request: the head comes first, as in arrival order."""
+        by_session: dict[int, list[E]] = {}
+        for e in self._q:
+            by_session.setdefault(id(e.session), []).append(e)
+        return [e for entries in by_session.values() for e in entries]
 
     def _sleep(self, now: float, wait: float) -> None:
         """Wait on the condition for ``wait`` seconds at most (inf: until notified), recording when."""

@@ -21,7 +21,8 @@ class BatchPolicy:
 
     ``executors``: the batches of the model that run at once without waiting for each other (a host engine's
     instances; 1 for a device, whose stream slots share it). The GPU keys (``serial_compute`` to
-    ``early_copies``, docs/ARCHITECTURE.md, Configuration) matter only to a device runner.
+    ``early_copies``, docs/ARCHITECTURE.md, Configuration) matter only to a device runner; ``by_session``
+    (``batch_by_session``) to every runner.
     """
 
     max_batch: int
@@ -34,13 +35,14 @@ class BatchPolicy:
     fill_while_busy: bool = True
     trim_to_sizes: bool = True
     early_copies: bool = False
+    by_session: bool = False
 
     @classmethod
     def from_config(cls, mc: ModelSection, device: bool) -> BatchPolicy:
         """The policy of a model's config section; ``device``: its engine runs on a GPU (one executor)."""
         return cls(mc.max_batch, mc.max_queue_delay_us, tuple(mc.preferred_batch_sizes), mc.max_queue_size,
                    mc.batching, 1 if device else mc.instances, mc.serial_compute, mc.fill_while_busy,
-                   mc.trim_to_sizes, mc.early_copies)
+                   mc.trim_to_sizes, mc.early_copies, mc.batch_by_session)
 
     @property
     def early(self) -> bool:

@@ -419,6 +419,61 @@ def test_every_request_ends_up_exactly_once() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# By session: each session's queued requests together
+# ---------------------------------------------------------------------------------------------------------
+def _by_session(max_batch: int = 4) -> Batcher[Queued[str]]:
+    return Batcher(BatchPolicy(max_batch, LONG_US, (), 100, "triton", by_session=True))
+
+
+def _from(session: str, name: str, items: int = 1) -> Queued[str]:
+    return Queued(name, items, time.monotonic() + LONG, session=session)
+
+
+def test_by_session_a_batch_takes_each_sessions_requests_together() -> None:
+    """A1 B1 A2 C1 A3 B2 queued, 4 rows a batch: A's three and B's first, then C's and B's second (by their age);
+    in arrival order (the default) A1 B1 A2 C1, then A3 B2."""
+    arrivals = [("A", "a1"), ("B", "b1"), ("A", "a2"), ("C", "c1"), ("A", "a3"), ("B", "b2")]
+    for grouped, expected in ((True, [["a1", "a2", "a3", "b1"], ["c1", "b2"]]),
+                              (False, [["a1", "b1", "a2", "c1"], ["a3", "b2"]])):
+        b = _by_session() if grouped else _batcher(max_batch=4)
+        for session, name in arrivals:
+            b.put(_from(session, name), wake=False)
+        first = b.take_now()
+        assert first is not None and _names(first.batch) == expected[0]
+        assert b.take_now() is None  # 2 rows of 4: they wait for the delay
+        b.put(_from("D", "d1"))
+        b.put(_from("D", "d2"))
+        second = b.take_now()
+        assert second is not None and _names(second.batch) == expected[1] + ["d1", "d2"]
+        assert len(b) == 0
+
+
+def test_by_session_stops_at_the_first_request_that_does_not_fit() -> None:
+    """A's second request (3 rows) does not fit beside its first (2): the batch is A1 alone, as in arrival
+    order; the next takes B1 and A2, by their age, and C1 waits."""
+    b = _by_session(max_batch=4)
+    b.put(_from("A", "a1", items=2), wake=False)
+    b.put(_from("B", "b1", items=1), wake=False)
+    b.put(_from("A", "a2", items=3), wake=False)
+    take = b.take_now()
+    assert take is not None and _names(take.batch) == ["a1"]
+    assert len(b) == 2
+    b.put(_from("C", "c1", items=1))  # 5 rows queued: B1 and C1 wait behind A2
+    take = b.take_now()
+    assert take is not None and _names(take.batch) == ["b1", "a2"]
+
+
+def test_by_session_keeps_the_expired_out_and_the_rest_in_order() -> None:
+    b = _by_session(max_batch=2)
+    b.put(Queued("gone", 1, time.monotonic() - 1.0, session="A"), wake=False)
+    for session, name in (("B", "b1"), ("A", "a1"), ("B", "b2")):
+        b.put(_from(session, name), wake=False)
+    take = b.take_now()
+    assert take is not None and _names(take.expired) == ["gone"] and _names(take.batch) == ["b1", "b2"]
+    assert [e.item for e in b.close()] == ["a1"]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Idle dispatch: no delay while an executor would sit idle
 # ---------------------------------------------------------------------------------------------------------
 def test_idle_dispatch_sends_a_lone_request_at_once_and_waits_while_busy() -> None:

@@ -86,9 +86,11 @@ def test_the_configs_rule_choices_are_the_tables_names() -> None:
 
 def test_the_policy_is_the_models_config_section() -> None:
     mc = _model(batching="triton", preferred_batch_sizes=[2, 4], max_queue_size=9, instances=3,
-                serial_compute=False, fill_while_busy=True, trim_to_sizes=False, early_copies=True)
+                serial_compute=False, fill_while_busy=True, trim_to_sizes=False, early_copies=True,
+                batch_by_session=True)
     host, device = BatchPolicy.from_config(mc, device=False), BatchPolicy.from_config(mc, device=True)
-    assert host == BatchPolicy(8, LONG_US, (2, 4), 9, "triton", 3, False, True, False, True)
+    assert host == BatchPolicy(8, LONG_US, (2, 4), 9, "triton", 3, False, True, False, True, True)
+    assert not BatchPolicy.from_config(_model(), device=True).by_session
     assert device.executors == 1  # stream slots share one device
     assert host.early
     assert type(Batcher(host).rule) is TritonRule

@@ -100,6 +100,12 @@ def test_gpu_batching_policy_keys_default_and_load() -> None:
     assert (g.serial_compute, g.fill_while_busy, g.trim_to_sizes, g.early_copies) == (False, True, False, True)
 
 
+def test_batch_by_session_defaults_off_and_loads() -> None:
+    assert not C.parse(copy.deepcopy(MINIMAL)).models["m"].batch_by_session
+    assert C.parse(_model(batch_by_session=True)).models["m"].batch_by_session
+    assert "key 'models.m.batch_by_session'" in _error(_model(batch_by_session="yes"))
+
+
 @pytest.mark.parametrize(("old", "new"), [(True, '"idle"'), (False, '"triton"')])
 def test_the_replaced_idle_dispatch_key_names_batching_and_its_value(tmp_path: Path, old: bool, new: str) -> None:
     f = tmp_path / "broker.toml"

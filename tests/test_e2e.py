@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from shmbroker.client import AsyncClient, BadInput, Client, RequestTimeout, UnknownModel
 from shmbroker.client.client import Outputs
-from tests.conftest import HINT_MODELS, TEST_MODELS, RunningBroker, arr, run_client_processes, start_broker
+from tests.conftest import HINT_MODELS, TEST_MODELS, RunningBroker, arr, run_client_processes, start_broker, wait_until
 from tests.models import direct
 
 
@@ -277,6 +278,59 @@ def test_idle_dispatch_runs_a_lone_request_without_the_queue_delay(tmp_path: Pat
                         c.infer("tiny", x)
     finally:
         assert b.stop() == 0, b.log()
+
+
+GROUPED_MODELS = """
+[models.tiny]
+path = "builtin:tiny"
+max_batch = 4
+max_queue_delay_us = 10000000
+max_queue_size = 64
+timeout_ms = 2000
+intra_op_threads = 1
+batching = "triton"
+batch_by_session = {grouped}
+"""
+
+
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_batch_by_session_takes_a_clients_queued_requests_together(tmp_path: Path, worker_mode: str,
+                                                                     grouped: bool) -> None:
+    """Client A's 2 rows, then B's 1 row, then A's 2 more, 4 rows a batch and a queue delay of 10 s against a
+    2 s deadline: by session, A's two requests make the batch and B's waits until its deadline passes; in
+    arrival order, A's first and B's make it and A's second times out."""
+    b = start_broker(tmp_path, worker_mode, models=GROUPED_MODELS.format(grouped=str(grouped).lower()))
+    rows = {"a1": np.full((2, 256), 0.25, np.float32), "b1": np.full((1, 256), -0.5, np.float32),
+            "a2": np.full((2, 256), 0.75, np.float32)}
+    got: dict[str, np.ndarray | Exception] = {}
+    all_in = threading.Event()
+
+    def answered(name: str) -> Callable[[Outputs | None, Exception | None], None]:
+        def done(out: Outputs | None, err: Exception | None) -> None:
+            got[name] = err if err is not None else arr(out)
+            if len(got) == len(rows):
+                all_in.set()
+        return done
+
+    def queued(n: int) -> Callable[[], bool]:
+        return lambda: b.stats().workers[0].models[0].queue_depth == n
+
+    try:
+        with Client(b.runtime_dir) as ca, Client(b.runtime_dir) as cb:
+            for c, name, depth in ((ca, "a1", 1), (cb, "b1", 2), (ca, "a2", 0)):
+                c.call("tiny", rows[name], answered(name))
+                if depth:  # in the queue before the next is sent, so that the arrival order is known
+                    wait_until(queued(depth), f"{name} queued")
+            assert all_in.wait(30)
+    finally:
+        assert b.stop() == 0, b.log()
+    late = "b1" if grouped else "a2"
+    assert isinstance(got[late], RequestTimeout), got[late]
+    for name in set(rows) - {late}:
+        out = got[name]
+        assert isinstance(out, np.ndarray), out
+        np.testing.assert_allclose(out, direct("tiny", rows[name]), rtol=0, atol=1e-5)
 
 
 def test_an_async_request_cancelled_while_in_flight_frees_its_slot(broker: RunningBroker) -> None:

@@ -87,6 +87,11 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     batching: str = batchrules.DEFAULT
     preferred_batch_sizes: list[Annotated[int, Meta(ge=1, le=4096)]] = msgspec.field(default_factory=list)
     max_queue_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 256
+    # a batch takes each client session's queued requests together (sessions in the order of their oldest
+    # request) instead of strictly in arrival order: a client process then gets many answers in one message, one
+    # wake-up of its receiving thread; a session's newer request may go ahead of another's older one by at most
+    # a batch (bench/RESULTS.md#batches-by-session-on-the-vm)
+    batch_by_session: bool = False
     timeout_ms: Ms = 500
     intra_op_threads: Annotated[int, Meta(ge=0, le=256)] = 0
     # host engines: batches run at once, each on its own runner thread; the GPU pipeline has streams instead
