@@ -89,8 +89,8 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queue_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 256
     # a batch takes each client session's queued requests together (sessions in the order of their oldest
     # request) instead of strictly in arrival order: a client process then gets many answers in one message, one
-    # wake-up of its receiving thread; a session's newer request may go ahead of another's older one by at most
-    # a batch (bench/RESULTS.md#batches-by-session-on-the-vm)
+    # wake-up of its receiving thread; a request may wait up to one batch more for each other session with older
+    # requests queued (bench/RESULTS.md#batches-by-session-on-the-vm)
     batch_by_session: bool = False
     timeout_ms: Ms = 500
     intra_op_threads: Annotated[int, Meta(ge=0, le=256)] = 0
