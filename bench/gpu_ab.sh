@@ -12,6 +12,7 @@
 #     null               the null engine (100 us a batch), 16 x N in flight: null-sS-xN
 #     gil, early         inductor, 16 x 48, this tree with --set worker.gil_switch_us=500 or early_copies=true
 #     spin0, nice        inductor, 16 x 48, this tree with --client-spin-us 0 or --worker-nice -10
+#     session            inductor, 16 x 48, this tree with --set batch_by_session=true
 #   or lone-API-K: one request at a time on inductor with API (call, infer, request), bench.gpu_lone's
 #     interleaved rounds (about 45 s)
 #   bash bench/gpu_ab.sh new-s2-1 base-s2-1 new-s2-2 base-s2-2 null-s8-x96
@@ -58,8 +59,10 @@ for r in "$@"; do
     early) bench "$r" . "$s" 48 "${ind[@]}" --set early_copies=true ;;
     spin0) bench "$r" . "$s" 48 "${ind[@]}" --client-spin-us 0 ;;
     nice) bench "$r" . "$s" 48 "${ind[@]}" --worker-nice -10 ;;
+    session) bench "$r" . "$s" 48 "${ind[@]}" --set batch_by_session=true ;;
     lone) lone "$r" "$s" ;;
-    *) echo "unknown run $r (new, base, notrim, basenotrim, eager, eagerbase, null, gil, early, spin0, nice, lone)"
+    *) echo "unknown run $r (new, base, notrim, basenotrim, eager, eagerbase, null, gil, early, spin0, nice, session,"
+       echo "  lone)"
        exit 2 ;;
   esac
 done
