@@ -286,7 +286,7 @@ path = "builtin:tiny"
 max_batch = 4
 max_queue_delay_us = 10000000
 max_queue_size = 64
-timeout_ms = 2000
+timeout_ms = 6000
 intra_op_threads = 1
 batching = "triton"
 batch_by_session = {grouped}
@@ -298,8 +298,9 @@ batch_by_session = {grouped}
 def test_batch_by_session_takes_a_clients_queued_requests_together(tmp_path: Path, worker_mode: str,
                                                                      grouped: bool) -> None:
     """Client A's 2 rows, then B's 1 row, then A's 2 more, 4 rows a batch and a queue delay of 10 s against a
-    2 s deadline: by session, A's two requests make the batch and B's waits until its deadline passes; in
-    arrival order, A's first and B's make it and A's second times out."""
+    6 s deadline (room for the stats round trips between the sends): by session, A's two requests make the batch
+    and B's waits until its deadline passes; in arrival order, A's first and B's make it and A's second times
+    out."""
     b = start_broker(tmp_path, worker_mode, models=GROUPED_MODELS.format(grouped=str(grouped).lower()))
     rows = {"a1": np.full((2, 256), 0.25, np.float32), "b1": np.full((1, 256), -0.5, np.float32),
             "a2": np.full((2, 256), 0.75, np.float32)}
