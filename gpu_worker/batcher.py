@@ -300,9 +300,9 @@ class Batcher(Generic[E]):
     def _session_order(self) -> list[E]:
         """The queue with each session's requests together, in their order, the sessions by their oldest
         request: the head comes first, as in arrival order."""
-        by_session: dict[int, list[E]] = {}
+        by_session: dict[object, list[E]] = {}
         for e in self._q:
-            by_session.setdefault(id(e.session), []).append(e)
+            by_session.setdefault(e.session, []).append(e)
         return [e for entries in by_session.values() for e in entries]
 
     def _sleep(self, now: float, wait: float) -> None:
