@@ -57,9 +57,10 @@ class Settings:
 
     @classmethod
     def of(cls, args: argparse.Namespace, gpu: bool) -> Settings:
-        """From the command line; without ``--processes``/``--in-flight``: 16 x 16 on a GPU worker (two stream
-        slots' batches of 128, bench/gpu_photos.toml's), 4 x 4 on a CPU one (its engine takes two batches of 8 at
-        once: 16 in flight keep one more queued)."""
+        """From the command line; without ``--processes``/``--in-flight``/``--photos-per-request``: on a GPU
+        worker 16 processes x 4 requests of 32 photos (16 of bench/gpu_photos.toml's batches of 128 in flight;
+        a list costs its client one wake-up, bench/RESULTS.md#batches-by-session-on-an-h100), on a CPU one 4 x 4
+        of one photo (its engine takes two batches of 8 at once: 16 in flight keep one more queued)."""
         quick = bool(args.quick)
         duration = args.duration if args.duration is not None else (2.0 if quick else 5.0)
         rounds = args.rounds if args.rounds is not None else (1 if quick else 3)
@@ -67,11 +68,12 @@ class Settings:
             raise BenchError(f"--rounds must be at least 1, got {rounds}")
         sizes = photoset.parse_sizes(args.sizes) if args.sizes else list(photoset.SIZES)
         processes = args.processes if args.processes is not None else (16 if gpu else 4)
-        in_flight = args.in_flight if args.in_flight is not None else (16 if gpu else 4)
+        in_flight = args.in_flight if args.in_flight is not None else 4
         if args.client_spin_us < 0:
             raise BenchError(f"--client-spin-us must be 0 or more, got {args.client_spin_us}")
         c_client = photo_cload.check_binary(args.c_client) if getattr(args, "c_client", None) else ""
-        per_request = getattr(args, "photos_per_request", 1)
+        per_request = getattr(args, "photos_per_request", None)
+        per_request = per_request if per_request is not None else (32 if gpu else 1)
         if per_request < 1:
             raise BenchError(f"--photos-per-request must be at least 1, got {per_request}")
         return cls(quick, duration, 0.5 if quick else 1.0, duration / 2 if quick else duration, rounds, processes,
@@ -94,12 +96,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--processes", type=int, default=None,
                     help="client processes in (b) and (c) (default 16 on a GPU worker, 4 on a CPU one)")
     ap.add_argument("--in-flight", type=int, default=None,
-                    help="requests each client keeps in flight (default 16 on a GPU worker, 4 on a CPU one)")
+                    help="requests each client keeps in flight (default 4)")
     ap.add_argument("--client-spin-us", type=int, default=1000, metavar="US",
                     help="each client's spin_us (default 1000, the client's own; 0: wait in the kernel at once)")
-    ap.add_argument("--photos-per-request", type=int, default=1, metavar="K",
-                    help="photos in each of (b)'s requests (default 1; at most the photo model's max_batch a "
-                         "slot): its figures stay per photo, its latencies per request")
+    ap.add_argument("--photos-per-request", type=int, default=None, metavar="K",
+                    help="photos in each of (b)'s requests (default 32 on a GPU worker, 1 on a CPU one; at most "
+                         "the photo model's max_batch a slot): its figures stay per photo, its latencies per "
+                         "request")
     ap.add_argument("--c-client", default=None, metavar="BINARY",
                     help="examples/c's shmb_client (make -C examples/c OUT=DIR): adds (b'), the same load from C "
                          "client processes")

@@ -189,12 +189,12 @@ def _args(**kw: Any) -> argparse.Namespace:
     return ap.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
 
 
-def test_settings_default_to_4x4_on_a_cpu_worker_and_16x16_on_a_gpu() -> None:
+def test_settings_default_to_4x4_photos_on_a_cpu_worker_and_16x4_lists_of_32_on_a_gpu() -> None:
     cpu = photos.Settings.of(_args(), gpu=False)
     assert (cpu.processes, cpu.in_flight, cpu.rounds, cpu.duration_s) == (4, 4, 3, 5.0)
     assert cpu.sizes == ("640x480", "1280x960", "1920x1440")
     gpu = photos.Settings.of(_args(), gpu=True)
-    assert (gpu.processes, gpu.in_flight) == (16, 16)
+    assert (gpu.processes, gpu.in_flight, gpu.photos_per_request) == (16, 4, 32)
     mine = photos.Settings.of(_args(processes=2, in_flight=3, sizes="800x600"), gpu=True)
     assert (mine.processes, mine.in_flight, mine.sizes) == (2, 3, ("800x600",))
     with pytest.raises(BenchError, match="--rounds"):
