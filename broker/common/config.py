@@ -90,7 +90,7 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # a batch takes each client session's queued requests together (sessions in the order of their oldest
     # request) instead of strictly in arrival order: a client process then gets many answers in one message, one
     # wake-up of its receiving thread; a request may wait up to one batch more for each other session with older
-    # requests queued (bench/RESULTS.md#batches-by-session-on-the-vm)
+    # requests queued (bench/RESULTS.md#batches-by-session-on-an-h100)
     batch_by_session: bool = False
     timeout_ms: Ms = 500
     intra_op_threads: Annotated[int, Meta(ge=0, le=256)] = 0
