@@ -63,13 +63,15 @@ class NvImageCodecDecoder:
         # word; then this decoder fails its test image and the next one is tried. GPU_ONLY holds no JPEG decoder
         # in nvImageCodec 0.6 (bench/RESULTS.md#photos-on-the-h100-with-nvimagecodec)
         upsampling = ":fancy_upsampling=1"
-        cuda = nvimgcodec.Decoder(device_id=device, backend_kinds=[nvimgcodec.BackendKind.HYBRID_CPU_GPU],
+        # Backend objects, which every version takes: nvImageCodec 0.9 has no backend_kinds argument
+        kinds = nvimgcodec.BackendKind
+        cuda = nvimgcodec.Decoder(device_id=device, backends=[nvimgcodec.Backend(kinds.HYBRID_CPU_GPU)],
                                   options=upsampling)
         self._decoder, self._fallback = cuda, None
         if hardware:
             # sized at its first decode otherwise, which is open_decoder's one-row test image
             hw_options = f"{upsampling} nvjpeg_hw_decoder:preallocate_batch_size={max_batch}"
-            self._decoder = nvimgcodec.Decoder(device_id=device, backend_kinds=[nvimgcodec.BackendKind.HW_GPU_ONLY],
+            self._decoder = nvimgcodec.Decoder(device_id=device, backends=[nvimgcodec.Backend(kinds.HW_GPU_ONLY)],
                                                options=hw_options)
             self._fallback = cuda
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
@@ -198,7 +200,8 @@ def open_decoder(torch: Any, device: int, names: tuple[str, ...] = tuple(DECODER
                 stream = torch.cuda.current_stream(device)
                 out = decoder.decode([memoryview(bytearray(data))], stream)[0]
                 stream.synchronize()
-        except (ImportError, RuntimeError, OSError) as exc:
+        # TypeError and AttributeError: another version of the decoder's library, with another API
+        except (ImportError, RuntimeError, OSError, TypeError, AttributeError) as exc:
             reasons[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             continue
         if isinstance(out, str) or tuple(out.shape) != (3, 16, 32):

@@ -15,7 +15,7 @@ from shmbroker.broker.common import protocol as P
 from shmbroker.broker.common.config import ModelSection
 from shmbroker.gpu_worker.batcher import Batcher
 from shmbroker.gpu_worker.batching import BatchPolicy
-from shmbroker.gpu_worker.devicedecoders import DECODERS, NoDecoder, open_decoder
+from shmbroker.gpu_worker.devicedecoders import DECODERS, DeviceDecoder, NoDecoder, open_decoder
 from shmbroker.gpu_worker.devicephotos import CudaArray, chunks, engine_layout, group_by_size
 from shmbroker.gpu_worker.engines.base import EngineError, IOSpec
 from shmbroker.gpu_worker.intake import ModelView, Photos
@@ -103,6 +103,18 @@ def test_with_no_decoder_that_opens_the_error_gives_each_ones_reason() -> None:
     assert list(err.value.reasons) == ["nvimgcodec", "nvimgcodec-cuda", "torchvision"]
     assert all(err.value.reasons.values())
     assert "pip install nvidia-nvimgcodec-cu13" in str(err.value)
+
+
+def test_a_decoder_library_of_another_api_is_passed_over_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder whose library takes other arguments (another nvImageCodec's constructor) is a reason, and the
+    next decoder is tried, not an error out of the worker."""
+    def other_api(torch: object, device: int, max_batch: int) -> DeviceDecoder:
+        raise TypeError("__init__(): incompatible constructor arguments")
+
+    monkeypatch.setitem(DECODERS, "other", other_api)
+    with pytest.raises(NoDecoder) as err:
+        open_decoder(object(), 0, ("other",))
+    assert err.value.reasons == {"other": "TypeError: __init__(): incompatible constructor arguments"}
 
 
 def test_model_stats_name_the_decoder_and_read_old_replies() -> None:
