@@ -111,10 +111,15 @@ def test_a_decoder_library_of_another_api_is_passed_over_with_its_reason(monkeyp
     def other_api(torch: object, device: int, max_batch: int) -> DeviceDecoder:
         raise TypeError("__init__(): incompatible constructor arguments")
 
+    def no_attribute(torch: object, device: int, max_batch: int) -> DeviceDecoder:
+        raise AttributeError("module 'nvidia.nvimgcodec' has no attribute 'Backend'")
+
     monkeypatch.setitem(DECODERS, "other", other_api)
+    monkeypatch.setitem(DECODERS, "older", no_attribute)
     with pytest.raises(NoDecoder) as err:
-        open_decoder(object(), 0, ("other",))
-    assert err.value.reasons == {"other": "TypeError: __init__(): incompatible constructor arguments"}
+        open_decoder(object(), 0, ("other", "older"))
+    assert err.value.reasons == {"other": "TypeError: __init__(): incompatible constructor arguments",
+                                 "older": "AttributeError: module 'nvidia.nvimgcodec' has no attribute 'Backend'"}
 
 
 def test_model_stats_name_the_decoder_and_read_old_replies() -> None:
